@@ -1,0 +1,501 @@
+"""The hidden-state dump protocol: one module writes and reads it.
+
+A *dump piece* is what a server writes for one request in one prefill (EXTEND)
+forward, i.e. one chunk of a (possibly chunked) prefill. It is a safetensors file
+in the dump folder, named after the request, never after a counter::
+
+    {safe_rid}.{chunk_start:09d}.{piece_nonce}.dump.safetensors
+
+``safe_rid`` is the rid with unsafe characters replaced plus a hash of the raw rid
+(so two rids never share a name); ``piece_nonce`` makes a second write of the same
+chunk a visible duplicate instead of a silent overwrite.
+
+Tensors:
+    ``input_ids``            int64 ``[n]``      the chunk's token ids
+    ``aux_hidden_states``    ``[n, k*H]``       residual stream entering the aux layers, concatenated
+    ``final_hidden_states``  ``[n, H]``         last layer's output after the model's final norm
+
+Metadata (safetensors string header, ``format == "eagle3-dump"``, ``version == "1"``):
+    rid, chunk_start, chunk_len, prompt_len, prompt_hash (of the whole prompt's ids),
+    layer_ids (JSON list), layer_convention, final_norm, dtype, model, forward_mode.
+
+A request's prefill is complete when its pieces cover ``[0, prompt_len)`` exactly
+once: the piece that ends at ``prompt_len`` is the last one the server writes for
+that prefill, and one writer thread writes a rid's pieces in order, so once it is
+visible every earlier piece is too (or was never written, which the reader reports).
+
+Files appear atomically: written under a dot-prefixed temporary name in the same
+folder, then renamed. A writer that cannot write a piece (byte budget, full disk,
+vanished folder) leaves ``{safe_rid}.error.json`` with the reason, which the reader
+raises as :class:`DumpWriteFailed`.
+
+This module must import inside an SGLang server process: torch, safetensors and the
+standard library only.
+"""
+
+from __future__ import annotations
+
+import array
+import hashlib
+import json
+import logging
+import os
+import queue
+import re
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load as load_safetensors_bytes
+from safetensors.torch import save as save_safetensors_bytes
+
+log = logging.getLogger(__name__)
+
+DUMP_FORMAT = "eagle3-dump"
+DUMP_VERSION = "1"
+PIECE_SUFFIX = ".dump.safetensors"
+ERROR_SUFFIX = ".error.json"
+#: layer ids index Hugging Face ``outputs.hidden_states``: id i is the residual stream
+#: entering decoder layer i (SGLang's and speculators' convention).
+LAYER_CONVENTION = "hf_hidden_states_index"
+FINAL_NORM = "post_norm"
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """The EAGLE-3 default taps, HF ``hidden_states`` indices ``[2, N//2, N-3]``."""
+    ids = [2, num_layers // 2, num_layers - 3]
+    if len(set(ids)) != 3 or min(ids) < 1:
+        raise ValueError(f"a model with {num_layers} layers has no three distinct default aux layers: {ids}")
+    return ids
+
+
+def prompt_hash(token_ids: Sequence[int]) -> str:
+    """Content hash of a token sequence (int64 little-endian, sha256, 32 hex chars)."""
+    buf = array.array("q", token_ids)
+    if buf.itemsize != 8:
+        raise RuntimeError("array('q') is not 64-bit on this platform")
+    return hashlib.sha256(buf.tobytes()).hexdigest()[:32]
+
+
+def safe_rid(rid: str) -> str:
+    """A file-name-safe, collision-free name for a rid."""
+    digest = hashlib.sha256(rid.encode("utf-8")).hexdigest()[:12]
+    return f"{_UNSAFE.sub('_', rid)[:80]}-{digest}"
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class DumpError(Exception):
+    """A request's dump cannot be used. ``rid`` and ``dump_dir`` say which one."""
+
+    def __init__(self, rid: str, dump_dir: Path | str, reason: str):
+        self.rid, self.dump_dir, self.reason = rid, str(dump_dir), reason
+        super().__init__(f"dump of rid {rid!r} in {dump_dir}: {reason}")
+
+
+class DumpMissing(DumpError):
+    """No piece (and no error marker) appeared for the rid."""
+
+
+class DumpIncomplete(DumpError):
+    """Pieces exist but do not cover the prompt from token 0 (e.g. a prefix-cache hit)."""
+
+
+class DumpOverlap(DumpError):
+    """Two pieces cover the same tokens."""
+
+
+class DumpDuplicate(DumpOverlap):
+    """The same chunk was written twice."""
+
+
+class DumpForeign(DumpError):
+    """A piece belongs to another request or prompt (rid, hash or token ids differ)."""
+
+
+class DumpCorrupt(DumpError):
+    """A piece cannot be parsed, or its shapes/values are wrong."""
+
+
+class DumpWriteFailed(DumpError):
+    """The server's writer reported it could not write this rid's dump."""
+
+
+# --------------------------------------------------------------------------- writer
+
+
+@dataclass(frozen=True)
+class DumpSettings:
+    """What a server needs to know to write dumps (shared by the patch and the local server)."""
+
+    dump_dir: Path
+    rid_prefix: str
+    model: str
+    layer_ids: tuple[int, ...]
+    #: bytes of host memory queued for writing at most; over it a piece is refused (error marker).
+    max_pending_bytes: int = 2 << 30
+    #: bytes in the dump folder at most (None: unlimited); over it a piece is refused.
+    max_dir_bytes: int | None = None
+    queue_pieces: int = 1024
+
+
+@dataclass
+class _Piece:
+    rid: str
+    chunk_start: int
+    prompt_len: int
+    prompt_hash: str
+    forward_mode: str
+    input_ids: torch.Tensor
+    aux: torch.Tensor
+    final: torch.Tensor
+    ready: object | None  # a torch.cuda.Event to wait on before reading the host tensors
+    nbytes: int
+
+
+class DumpWriter:
+    """Background writer: ``submit`` never touches the disk; one thread writes in order.
+
+    The model's forward hands host tensors (or pinned tensors plus a CUDA event) to
+    ``submit``; the thread serialises, writes and renames. Failures become error
+    markers and log lines, never exceptions in the caller.
+    """
+
+    def __init__(self, settings: DumpSettings):
+        self.settings = settings
+        self.dump_dir = Path(settings.dump_dir)
+        self.dump_dir.mkdir(parents=True, exist_ok=True)
+        self._queue: queue.Queue[_Piece | None] = queue.Queue(maxsize=settings.queue_pieces)
+        self._lock = threading.Lock()
+        self._pending_bytes = 0
+        self.written = 0
+        self.refused = 0
+        self.last_error: str | None = None
+        self._thread = threading.Thread(target=self._run, name="dump-writer", daemon=True)
+        self._thread.start()
+
+    def wants(self, rid: str | None) -> bool:
+        return bool(rid) and rid.startswith(self.settings.rid_prefix)
+
+    def submit(
+        self,
+        rid: str,
+        *,
+        chunk_start: int,
+        input_ids: torch.Tensor,
+        prompt_len: int,
+        prompt_hash: str,
+        aux_hidden_states: torch.Tensor,
+        final_hidden_states: torch.Tensor,
+        forward_mode: str = "extend",
+        ready: object | None = None,
+    ) -> bool:
+        """Queue one piece. Returns False (and leaves an error marker) if it was refused."""
+        nbytes = sum(t.numel() * t.element_size() for t in (input_ids, aux_hidden_states, final_hidden_states))
+        with self._lock:
+            over_budget = self._pending_bytes + nbytes > self.settings.max_pending_bytes
+            if not over_budget:
+                self._pending_bytes += nbytes
+        if over_budget:
+            self._refuse(rid, f"writer queue over its budget of {self.settings.max_pending_bytes} bytes")
+            return False
+        piece = _Piece(rid, chunk_start, prompt_len, prompt_hash, forward_mode,
+                       input_ids, aux_hidden_states, final_hidden_states, ready, nbytes)
+        try:
+            self._queue.put_nowait(piece)
+        except queue.Full:
+            with self._lock:
+                self._pending_bytes -= nbytes
+            self._refuse(rid, f"writer queue full ({self.settings.queue_pieces} pieces)")
+            return False
+        return True
+
+    def close(self, timeout: float | None = 60.0) -> None:
+        """Drain the queue and stop the thread."""
+        self._queue.put(None)
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.error("dump writer in %s did not drain within %ss", self.dump_dir, timeout)
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"dump_dir": str(self.dump_dir), "written": self.written, "refused": self.refused,
+                    "pending_bytes": self._pending_bytes, "queued": self._queue.qsize(),
+                    "last_error": self.last_error}
+
+    # -- thread side
+
+    def _run(self) -> None:
+        while True:
+            piece = self._queue.get()
+            if piece is None:
+                return
+            try:
+                self._write(piece)
+            except Exception as exc:  # reported as a marker: the server must keep serving
+                self._refuse(piece.rid, f"{type(exc).__name__}: {exc}")
+            finally:
+                with self._lock:
+                    self._pending_bytes -= piece.nbytes
+
+    def _write(self, piece: _Piece) -> None:
+        if piece.ready is not None:
+            piece.ready.synchronize()
+        s = self.settings
+        meta = {
+            "format": DUMP_FORMAT, "version": DUMP_VERSION, "rid": piece.rid,
+            "chunk_start": str(piece.chunk_start), "chunk_len": str(int(piece.input_ids.numel())),
+            "prompt_len": str(piece.prompt_len), "prompt_hash": piece.prompt_hash,
+            "layer_ids": json.dumps(list(s.layer_ids)), "layer_convention": LAYER_CONVENTION,
+            "final_norm": FINAL_NORM, "dtype": str(piece.aux.dtype).removeprefix("torch."),
+            "model": s.model, "forward_mode": piece.forward_mode,
+        }
+        data = save_safetensors_bytes({
+            "input_ids": piece.input_ids.to(torch.int64).contiguous(),
+            "aux_hidden_states": piece.aux.contiguous(),
+            "final_hidden_states": piece.final.contiguous(),
+        }, metadata=meta)
+        if s.max_dir_bytes is not None:
+            used = _dir_bytes(self.dump_dir)
+            if used + len(data) > s.max_dir_bytes:
+                raise OSError(f"dump folder holds {used} bytes; {len(data)} more would pass its cap of {s.max_dir_bytes}")
+        name = f"{safe_rid(piece.rid)}.{piece.chunk_start:09d}.{uuid.uuid4().hex[:8]}{PIECE_SUFFIX}"
+        _atomic_write(self.dump_dir / name, data)
+        with self._lock:
+            self.written += 1
+
+    def _refuse(self, rid: str, reason: str) -> None:
+        with self._lock:
+            self.refused += 1
+            self.last_error = f"rid {rid!r}: {reason}"
+        log.error("dump writer: cannot write rid %r to %s: %s", rid, self.dump_dir, reason)
+        marker = json.dumps({"rid": rid, "reason": reason, "time": time.time()}).encode()
+        try:
+            _atomic_write(self.dump_dir / f"{safe_rid(rid)}{ERROR_SUFFIX}", marker)
+        except OSError as exc:  # the folder is gone or full: the log line and stats carry it
+            log.error("dump writer: cannot write the error marker for rid %r in %s: %s", rid, self.dump_dir, exc)
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _dir_bytes(folder: Path) -> int:
+    total = 0
+    with os.scandir(folder) as it:
+        for entry in it:
+            try:
+                total += entry.stat(follow_symlinks=False).st_size
+            except FileNotFoundError:  # deleted by a reader meanwhile
+                pass
+    return total
+
+
+# --------------------------------------------------------------------------- reader
+
+
+@dataclass(frozen=True)
+class PieceInfo:
+    path: Path
+    rid: str
+    chunk_start: int
+    chunk_len: int
+    prompt_len: int
+    prompt_hash: str
+    forward_mode: str
+    meta: dict
+
+    @property
+    def chunk_end(self) -> int:
+        return self.chunk_start + self.chunk_len
+
+
+@dataclass(frozen=True)
+class AssembledDump:
+    """A request's whole-prompt hidden states, verified against its token ids."""
+
+    rid: str
+    input_ids: torch.Tensor           # int64 [T]
+    aux_hidden_states: torch.Tensor   # [T, k*H]
+    final_hidden_states: torch.Tensor  # [T, H]
+    layer_ids: list[int]
+    layer_convention: str
+    final_norm: str
+    dtype: str
+    model: str
+    paths: tuple[Path, ...]
+
+
+class DumpReader:
+    """Finds, verifies and assembles a rid's pieces in a dump folder."""
+
+    def __init__(self, dump_dir: Path | str):
+        self.dump_dir = Path(dump_dir)
+
+    def piece_paths(self, rid: str) -> list[Path]:
+        prefix = safe_rid(rid) + "."
+        return sorted(self.dump_dir / n for n in _listdir(self.dump_dir)
+                      if n.startswith(prefix) and n.endswith(PIECE_SUFFIX))
+
+    def error_marker(self, rid: str) -> str | None:
+        path = self.dump_dir / f"{safe_rid(rid)}{ERROR_SUFFIX}"
+        try:
+            return json.loads(path.read_text())["reason"]
+        except FileNotFoundError:
+            return None
+        except (ValueError, KeyError) as exc:
+            return f"unreadable error marker {path}: {exc}"
+
+    def pieces(self, rid: str) -> list[PieceInfo]:
+        infos = []
+        for path in self.piece_paths(rid):
+            try:
+                with safe_open(str(path), framework="pt") as f:
+                    meta = f.metadata() or {}
+                info = PieceInfo(path, meta["rid"], int(meta["chunk_start"]), int(meta["chunk_len"]),
+                                 int(meta["prompt_len"]), meta["prompt_hash"], meta["forward_mode"], meta)
+            except (SafetensorError, OSError, KeyError, ValueError) as exc:
+                raise DumpCorrupt(rid, self.dump_dir, f"cannot read piece {path.name}: {exc}") from exc
+            if meta.get("format") != DUMP_FORMAT or meta.get("version") != DUMP_VERSION:
+                raise DumpCorrupt(rid, self.dump_dir, f"piece {path.name} is format {meta.get('format')!r} "
+                                  f"version {meta.get('version')!r}, expected {DUMP_FORMAT!r} {DUMP_VERSION!r}")
+            infos.append(info)
+        return infos
+
+    def wait(self, rid: str, prompt_len: int, timeout: float, poll: float = 0.005) -> list[PieceInfo]:
+        """Wait until the piece that ends the prompt is visible (or an error marker); return all pieces.
+
+        Raises DumpWriteFailed on a marker, DumpMissing when nothing usable appeared in time.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            reason = self.error_marker(rid)
+            if reason is not None:
+                raise DumpWriteFailed(rid, self.dump_dir, f"the server's dump writer failed: {reason}")
+            infos = self.pieces(rid)
+            if any(p.chunk_end == prompt_len and p.forward_mode == "extend" for p in infos):
+                return infos
+            if time.monotonic() >= deadline:
+                seen = ", ".join(f"[{p.chunk_start},{p.chunk_end})" for p in infos) or "none"
+                raise DumpMissing(rid, self.dump_dir,
+                                  f"no piece ending at token {prompt_len} within {timeout:.1f}s (pieces seen: {seen})")
+            time.sleep(poll)
+            poll = min(poll * 2, 0.1)
+
+    def assemble(self, rid: str, token_ids: Sequence[int], infos: list[PieceInfo] | None = None) -> AssembledDump:
+        """Verify that the rid's pieces cover ``token_ids`` exactly once and stitch them together.
+
+        Pieces that start at or after the prompt's end (decode steps a careless hook wrote)
+        are not part of the prefill and are ignored.
+        """
+        ids = torch.as_tensor(list(token_ids), dtype=torch.int64)
+        total = int(ids.numel())
+        want_hash = prompt_hash(token_ids)
+        if infos is None:
+            infos = self.pieces(rid)
+        prefill = []
+        for p in infos:
+            if p.rid != rid:
+                raise DumpForeign(rid, self.dump_dir, f"piece {p.path.name} carries rid {p.rid!r}")
+            if p.forward_mode == "decode" or p.chunk_start >= total:
+                continue  # a decode step (a careless hook writes them), not part of the prefill
+            if p.prompt_len != total or p.prompt_hash != want_hash:
+                raise DumpForeign(rid, self.dump_dir, f"piece {p.path.name} is of a prompt of {p.prompt_len} tokens "
+                                  f"hash {p.prompt_hash}, expected {total} tokens hash {want_hash}")
+            prefill.append(p)
+        if not prefill:
+            raise DumpMissing(rid, self.dump_dir, "no prefill piece")
+        prefill.sort(key=lambda p: (p.chunk_start, p.chunk_end))
+        cursor = 0
+        for p in prefill:
+            if p.chunk_start > cursor:
+                what = "prefix-cache hit? " if cursor == 0 else ""
+                raise DumpIncomplete(rid, self.dump_dir, f"{what}tokens [{cursor},{p.chunk_start}) of {total} have no piece")
+            if p.chunk_start < cursor:
+                same = [q for q in prefill if q is not p and (q.chunk_start, q.chunk_end) == (p.chunk_start, p.chunk_end)]
+                cls = DumpDuplicate if same else DumpOverlap
+                raise cls(rid, self.dump_dir, f"piece {p.path.name} [{p.chunk_start},{p.chunk_end}) overlaps tokens before {cursor}")
+            if p.chunk_end > total:
+                raise DumpCorrupt(rid, self.dump_dir, f"piece {p.path.name} ends at {p.chunk_end}, past the prompt's {total}")
+            cursor = p.chunk_end
+        if cursor != total:
+            raise DumpIncomplete(rid, self.dump_dir, f"pieces cover [0,{cursor}) of {total} tokens")
+        aux_parts, final_parts = [], []
+        for p in prefill:
+            tensors = self._load(rid, p)
+            got = tensors["input_ids"]
+            if not torch.equal(got, ids[p.chunk_start:p.chunk_end]):
+                raise DumpForeign(rid, self.dump_dir, f"piece {p.path.name} token ids differ from the request's "
+                                  f"at [{p.chunk_start},{p.chunk_end})")
+            aux_parts.append(tensors["aux_hidden_states"])
+            final_parts.append(tensors["final_hidden_states"])
+        aux, final = torch.cat(aux_parts), torch.cat(final_parts)
+        meta = prefill[0].meta
+        layer_ids = json.loads(meta["layer_ids"])
+        h = final.shape[1] if final.dim() == 2 else -1
+        if final.shape != (total, h) or aux.shape != (total, len(layer_ids) * h):
+            raise DumpCorrupt(rid, self.dump_dir, f"shapes aux {tuple(aux.shape)} final {tuple(final.shape)} do not fit "
+                              f"{total} tokens x {len(layer_ids)} aux layers")
+        if not (torch.isfinite(aux).all() and torch.isfinite(final).all()):
+            raise DumpCorrupt(rid, self.dump_dir, "hidden states hold NaN or Inf")
+        return AssembledDump(rid, ids, aux, final, layer_ids, meta["layer_convention"], meta["final_norm"],
+                             meta["dtype"], meta["model"], tuple(p.path for p in infos))
+
+    def _load(self, rid: str, p: PieceInfo) -> dict[str, torch.Tensor]:
+        try:
+            tensors = load_safetensors_bytes(p.path.read_bytes())
+            n = tensors["input_ids"].numel()
+        except (SafetensorError, OSError, KeyError) as exc:
+            raise DumpCorrupt(rid, self.dump_dir, f"cannot read piece {p.path.name}: {exc}") from exc
+        if n != p.chunk_len or tensors["aux_hidden_states"].shape[0] != n or tensors["final_hidden_states"].shape[0] != n:
+            raise DumpCorrupt(rid, self.dump_dir, f"piece {p.path.name} holds tensors of lengths other than its {p.chunk_len} tokens")
+        return tensors
+
+    def delete(self, rid: str) -> int:
+        """Remove every piece and marker of the rid; returns how many files went."""
+        n = 0
+        for path in self.piece_paths(rid) + [self.dump_dir / f"{safe_rid(rid)}{ERROR_SUFFIX}"]:
+            try:
+                path.unlink()
+                n += 1
+            except FileNotFoundError:
+                pass
+        return n
+
+    def remove_stale(self, ttl_s: float, now: float | None = None) -> int:
+        """Remove pieces, markers and temporary files older than ``ttl_s``; returns how many."""
+        now = time.time() if now is None else now
+        n = 0
+        for name in _listdir(self.dump_dir):
+            if not (name.endswith(PIECE_SUFFIX) or name.endswith(ERROR_SUFFIX) or name.endswith(".tmp")):
+                continue
+            path = self.dump_dir / name
+            try:
+                if now - path.stat().st_mtime > ttl_s:
+                    path.unlink()
+                    n += 1
+            except FileNotFoundError:
+                pass
+        return n
+
+
+def _listdir(folder: Path) -> list[str]:
+    try:
+        return os.listdir(folder)
+    except FileNotFoundError:
+        return []
