@@ -1,0 +1,256 @@
+"""Prompts in, a verified EAGLE-3 training set out.
+
+    python -m flows.extract                      # the demo: tiny local model, demo prompts, ./out
+    python -m flows.extract --prompts FILE --out DIR --model-path DIR [--chunked-prefill-size N] ...
+
+Start the server, prepare prompts, map batches, retry stragglers one by one, consolidate,
+stop the server however the run ends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+import uuid
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Literal
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_table_artifact
+from prefect.futures import wait
+from prefect.task_runners import ThreadPoolTaskRunner
+from prefect.utilities.annotations import quote
+from pydantic import BaseModel, Field, SecretStr
+from tqdm import tqdm
+from transformers import AutoTokenizer
+
+from infra.server import ServerConfig, start_server
+from infra.tiny_model import build_tiny_model
+from patches.dumps import DumpReader
+from tasks.dataset_version import extraction_config, read_model_facts, version_dir
+from tasks.prompts import template_hash, write_rejects
+from tasks.retrieval import ExpectedDump, RetrievalSettings, SampleFailure
+from tasks.steps import consolidate_step, extract_batch_step, prepare_step, retry_sample_step
+from tasks.training_set import DatasetInfo, read_shard_index
+
+REPO = Path(__file__).resolve().parent.parent
+DEMO_PROMPTS = REPO / "data" / "demo_prompts.jsonl"
+RID_PREFIX = "eagle3-"
+PROJECT_VERSION = "0.1.0"
+
+
+class ServerOptions(BaseModel):
+    """How the model server is run (flags under SGLang's names)."""
+
+    chunked_prefill_size: int | None = Field(None, title="--chunked-prefill-size", ge=-1,
+                                             description="Prefill tokens per forward; -1 disables chunking.")
+    disable_radix_cache: bool = Field(False, title="--disable-radix-cache")
+    skip_server_warmup: bool = Field(False, title="--skip-server-warmup")
+    device: Literal["cpu", "cuda"] = Field("cpu", title="--device")
+    port: int = Field(0, title="--port", ge=0, le=65535, description="0 picks a free port.")
+    api_key: SecretStr | None = Field(None, title="--api-key")
+    ready_timeout_s: float = Field(300.0, title="Seconds to wait for /health", gt=0)
+
+
+class ExtractParameters(BaseModel):
+    prompts: str = Field(str(DEMO_PROMPTS), title="Prompt file (JSONL, JSON or Parquet)")
+    model_path: str | None = Field(None, title="Model folder",
+                                   description="A local Hugging Face model folder; empty: the tiny demo model.")
+    out: str = Field("out", title="Output folder")
+    server: ServerOptions = Field(default_factory=ServerOptions)
+    batch_size: int = Field(100, title="Samples per batch task", ge=1, le=5000)
+    max_in_flight: int = Field(8, title="Requests in flight", ge=1, le=1024)
+    concurrent_batches: int = Field(2, title="Batch tasks at once", ge=1, le=64)
+    attempts: int = Field(3, title="Attempts per sample inside its batch", ge=1, le=20)
+    sample_retries: int = Field(2, title="Prefect retries of a sample its batch could not extract", ge=0, le=20)
+    max_length: int = Field(2048, title="Max tokens per sample", ge=2)
+    on_overlong: Literal["truncate", "skip"] = Field("truncate", title="Overlong samples")
+    aux_layers: list[int] | None = Field(None, title="Aux layers (HF hidden_states indices)",
+                                         description="Empty: the EAGLE-3 default [2, N//2, N-3].")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", title="--dtype")
+    exports: list[Literal["specforge", "speculators", "modelopt"]] = Field(["specforge"], title="Trainer exports")
+
+
+def resolve_model(params: ExtractParameters) -> Path:
+    if params.model_path:
+        path = Path(params.model_path).expanduser().resolve()
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model folder {path} has no config.json")
+        return path
+    return build_tiny_model(Path(params.out).resolve() / "models" / "tiny")
+
+
+# Bounded: the default thread pool is unbounded (prefect.md); it runs the per-sample retry tasks.
+@flow(name="extract-eagle3", task_runner=ThreadPoolTaskRunner(max_workers=4), log_prints=False)
+def extract(params: ExtractParameters = ExtractParameters()) -> dict:
+    log = get_run_logger()
+    started = time.monotonic()
+    out = Path(params.out).resolve()
+    model_path = resolve_model(params)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    facts = read_model_facts(model_path)
+    config = extraction_config(facts, params.aux_layers, params.dtype, template_hash(tokenizer),
+                               params.max_length, params.on_overlong)
+    vdir = version_dir(out, config)
+    (vdir / "shards").mkdir(parents=True, exist_ok=True)
+    log.info("dataset version %s in %s", config.fingerprint(), vdir)
+
+    prepared = prepare_step(Path(params.prompts), tokenizer, params.max_length, params.on_overlong)
+    write_rejects(vdir / "rejects.jsonl", prepared.rejected)
+    done = {row["sample_key"] for shard in sorted((vdir / "shards").glob("*.safetensors"))
+            for row in read_shard_index(shard)}
+    todo = [s for s in prepared.samples if s.sample_key not in done]
+    log.info("%d rows: %d samples (%d already extracted), %d duplicates, %d rejected",
+             prepared.rows_in, len(prepared.samples), len(prepared.samples) - len(todo),
+             len(prepared.duplicates), len(prepared.rejected))
+
+    run_id = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
+    failures: list[SampleFailure] = []
+    new_tokens = 0
+    extract_s = 0.0
+    if todo:
+        new_tokens, failures, extract_s = run_extraction(params, model_path, out, vdir, run_id, todo,
+                                                         config.layer_ids, facts.hidden_size)
+    else:
+        log.info("nothing new to extract: all %d samples are in dataset version %s",
+                 len(prepared.samples), config.fingerprint())
+
+    failed_keys = {f.sample_key for f in failures}
+    keep = {s.sample_key for s in prepared.samples if s.sample_key not in failed_keys}
+    info = DatasetInfo(model=facts.name, layer_ids=list(config.layer_ids), layer_convention=config.layer_convention,
+                       final_norm=config.final_norm, dtype=config.dtype, hidden_size=facts.hidden_size,
+                       num_layers=facts.num_layers, template_hash=config.template_hash,
+                       max_length=config.max_length, project_version=PROJECT_VERSION,
+                       fingerprint=config.fingerprint())
+    consolidated = consolidate_step(vdir, info, keep, list(params.exports))
+
+    summary = {
+        "run": run_id, "version": config.fingerprint(), "version_dir": str(vdir),
+        "rows_in": prepared.rows_in, "written": len(keep), "written_this_run": len(todo) - len(failures),
+        "already_present": len(prepared.samples) - len(todo), "duplicates": len(prepared.duplicates),
+        "rejected": len(prepared.rejected), "failed": len(failures), "tokens_this_run": new_tokens,
+        "dataset_tokens": consolidated.tokens, "dataset_bytes": consolidated.bytes,
+        "tokens_per_s": round(new_tokens / extract_s, 1) if extract_s else 0.0,
+        "wall_s": round(time.monotonic() - started, 2),
+    }
+    accounted = summary["written"] + summary["duplicates"] + summary["rejected"] + summary["failed"]
+    if accounted != prepared.rows_in:
+        raise RuntimeError(f"sample accounting is off: {prepared.rows_in} rows in, {accounted} accounted for "
+                           f"({summary})")
+    record_run(vdir, run_id, summary, failures)
+    create_table_artifact(key="extraction-summary", table=[summary],
+                          description=f"Dataset version {config.fingerprint()} in {vdir}")
+    if failures:
+        create_table_artifact(key="failed-samples", description="Samples that failed every attempt",
+                              table=[{"source_id": f.source_id, "sample_key": f.sample_key, "error": f.error,
+                                      "reason": f.reason, "attempts": f.attempts} for f in failures])
+    log.info("summary: %s", json.dumps(summary))
+    return summary
+
+
+def run_extraction(params: ExtractParameters, model_path: Path, out: Path, vdir: Path, run_id: str,
+                   todo: list, layer_ids: tuple[int, ...], hidden_size: int) -> tuple[int, list[SampleFailure], float]:
+    """Start the server, extract every batch, retry stragglers, stop the server whatever happens."""
+    log = get_run_logger()
+    dump_dir = out / "dumps"
+    dump_dir.mkdir(parents=True, exist_ok=True)
+    # Leftovers of killed runs: their rids carry other nonces and are never matched; clear them.
+    stale = DumpReader(dump_dir).remove_stale(ttl_s=3600)
+    if stale:
+        log.info("removed %d stale dump files from %s", stale, dump_dir)
+    opts = params.server
+    api_key = opts.api_key.get_secret_value() if opts.api_key else None
+    server_config = ServerConfig(model_path=model_path, dump_dir=dump_dir, rid_prefix=RID_PREFIX, port=opts.port,
+                                 aux_layer_ids=layer_ids, dtype=params.dtype, device=opts.device,
+                                 chunked_prefill_size=opts.chunked_prefill_size,
+                                 disable_radix_cache=opts.disable_radix_cache,
+                                 skip_server_warmup=opts.skip_server_warmup, api_key=api_key)
+    server = start_server(server_config, vdir / "runs" / f"{run_id}-server.log", ready_timeout_s=opts.ready_timeout_s)
+    try:
+        settings = RetrievalSettings(url=server.url, rid_prefix=RID_PREFIX,
+                                     expected=ExpectedDump(tuple(layer_ids), hidden_size, params.dtype),
+                                     headers=tuple(server.headers().items()), attempts=params.attempts)
+        started = time.monotonic()
+        batches = [todo[i:i + params.batch_size] for i in range(0, len(todo), params.batch_size)]
+        in_flight = threading.Semaphore(params.max_in_flight)
+        runner = ThreadPoolTaskRunner(max_workers=params.concurrent_batches)
+        with tqdm(total=len(todo), unit="sample", desc="extracting") as bar, runner:
+            futures = [runner.submit(extract_batch_step, parameters=dict(
+                index=i, samples=quote(batch), settings=settings, dump_dir=dump_dir,
+                shard_path=vdir / "shards" / f"shard-{run_id}-{i:05d}.safetensors",
+                max_in_flight=params.max_in_flight, in_flight=in_flight, on_done=bar.update))
+                for i, batch in enumerate(batches)]
+            wait(futures)
+            results = [f.result() for f in futures]
+        tokens = sum(r.shard.tokens for r in results if r.shard)
+        stragglers = [f for r in results for f in r.failures]
+        failures: list[SampleFailure] = []
+        if stragglers:
+            by_key = {s.sample_key: s for s in todo}
+            retry = retry_sample_step.with_options(retries=params.sample_retries)
+            pending = [(f, retry.submit(quote(by_key[f.sample_key]), settings, dump_dir,
+                                        vdir / "shards" / f"shard-{run_id}-retry-{n:05d}.safetensors",
+                                        first_attempt=f.attempts + 1))
+                       for n, f in enumerate(stragglers)]
+            wait([p for _, p in pending])
+            for first, future in pending:
+                state = future.state
+                if state.is_completed():
+                    tokens += future.result().tokens
+                else:
+                    exc = state.result(raise_on_failure=False)
+                    failures.append(SampleFailure(first.sample_key, first.source_id,
+                                                  getattr(exc, "reason", str(exc)), type(exc).__name__,
+                                                  getattr(exc, "retryable", False),
+                                                  first.attempts + (future.state.state_details.run_count or 1)))
+        return tokens, failures, time.monotonic() - started
+    finally:
+        code = server.stop()
+        log.info("server stopped (exit code %s); log %s", code, server.log_path)
+
+
+def record_run(vdir: Path, run_id: str, summary: dict, failures: list[SampleFailure]) -> None:
+    runs = vdir / "runs"
+    runs.mkdir(exist_ok=True)
+    (runs / f"{run_id}.json").write_text(json.dumps({"summary": summary, "failed": [f.__dict__ for f in failures]},
+                                                    indent=2))
+
+
+def parse_args(argv: list[str] | None = None) -> ExtractParameters:
+    p = argparse.ArgumentParser(prog="python -m flows.extract", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    d = ExtractParameters()
+    p.add_argument("--prompts", default=d.prompts)
+    p.add_argument("--model-path", default=None)
+    p.add_argument("--out", default=d.out)
+    p.add_argument("--batch-size", type=int, default=d.batch_size)
+    p.add_argument("--max-in-flight", type=int, default=d.max_in_flight)
+    p.add_argument("--concurrent-batches", type=int, default=d.concurrent_batches)
+    p.add_argument("--attempts", type=int, default=d.attempts)
+    p.add_argument("--sample-retries", type=int, default=d.sample_retries)
+    p.add_argument("--max-length", type=int, default=d.max_length)
+    p.add_argument("--on-overlong", choices=["truncate", "skip"], default=d.on_overlong)
+    p.add_argument("--aux-layers", type=int, nargs=3, default=None, metavar="ID")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=d.dtype)
+    p.add_argument("--exports", nargs="*", default=d.exports, choices=["specforge", "speculators", "modelopt"])
+    p.add_argument("--chunked-prefill-size", type=int, default=None)
+    p.add_argument("--disable-radix-cache", action="store_true")
+    p.add_argument("--skip-server-warmup", action="store_true")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--port", type=int, default=0)
+    a = p.parse_args(argv)
+    server = ServerOptions(chunked_prefill_size=a.chunked_prefill_size, disable_radix_cache=a.disable_radix_cache,
+                           skip_server_warmup=a.skip_server_warmup, device=a.device, port=a.port)
+    return ExtractParameters(prompts=a.prompts, model_path=a.model_path, out=a.out, server=server,
+                             batch_size=a.batch_size, max_in_flight=a.max_in_flight,
+                             concurrent_batches=a.concurrent_batches, attempts=a.attempts,
+                             sample_retries=a.sample_retries, max_length=a.max_length, on_overlong=a.on_overlong,
+                             aux_layers=a.aux_layers, dtype=a.dtype, exports=a.exports)
+
+
+if __name__ == "__main__":
+    summary = extract(parse_args())
+    print(json.dumps(summary, indent=2))

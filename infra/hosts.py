@@ -1,0 +1,120 @@
+"""Where a model server runs. ``LocalHost`` today; an SSH host implements the same verbs.
+
+A host starts a long-running command with its output going to a log file on that host,
+tells whether it is still alive, stops it (SIGTERM, then SIGKILL after a grace period),
+reads the tail of its log, and gives a :class:`patches.dumps.DumpReader` for a dump
+folder on it plus the URL under which its loopback port is reached from here.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol, Sequence
+
+from patches.dumps import DumpReader
+
+
+class HostError(RuntimeError):
+    """A command could not be started or stopped on a host."""
+
+
+class ServerProcess(Protocol):
+    def alive(self) -> bool: ...
+    def stop(self, grace_s: float = 30.0) -> int | None: ...
+    def log_tail(self, max_bytes: int = 4000) -> str: ...
+
+
+class Host(Protocol):
+    name: str
+
+    def start(self, argv: Sequence[str], log_path: Path, env: dict[str, str] | None = None) -> ServerProcess: ...
+    def dump_reader(self, dump_dir: Path) -> DumpReader: ...
+    def url_for_port(self, port: int) -> str: ...
+
+
+@dataclass
+class LocalProcess:
+    popen: subprocess.Popen
+    log_path: Path
+    command: str  # for messages; secrets already redacted
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def stop(self, grace_s: float = 30.0) -> int | None:
+        """SIGTERM the process group, wait, then SIGKILL. Safe to call twice."""
+        if self.popen.poll() is None:
+            _signal_group(self.popen.pid, signal.SIGTERM)
+            try:
+                self.popen.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                _signal_group(self.popen.pid, signal.SIGKILL)
+                self.popen.wait(10)
+        return self.popen.returncode
+
+    def log_tail(self, max_bytes: int = 4000) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - max_bytes))
+                return f.read().decode("utf-8", "replace")
+        except FileNotFoundError:
+            return ""
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:  # already gone
+        pass
+
+
+@dataclass
+class LocalHost:
+    """This machine. The server's loopback port is reached directly."""
+
+    name: str = "localhost"
+    secret_flags: tuple[str, ...] = field(default=("--api-key",))
+
+    def start(self, argv: Sequence[str], log_path: Path, env: dict[str, str] | None = None) -> LocalProcess:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        command = redact_command(argv, self.secret_flags)
+        with open(log_path, "ab") as log:
+            try:
+                # A new session: stop() signals the server and any children it spawned.
+                popen = subprocess.Popen(list(argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env={**os.environ, **(env or {})}, start_new_session=True)
+            except OSError as exc:
+                raise HostError(f"{self.name}: cannot start `{command}`: {exc}") from exc
+        return LocalProcess(popen, log_path, command)
+
+    def dump_reader(self, dump_dir: Path) -> DumpReader:
+        return DumpReader(dump_dir)
+
+    def url_for_port(self, port: int) -> str:
+        return f"http://127.0.0.1:{port}"
+
+
+def redact_command(argv: Sequence[str], secret_flags: Sequence[str]) -> str:
+    """The command as a shell line, with the values of secret flags replaced."""
+    out, hide_next = [], False
+    for arg in argv:
+        if hide_next:
+            out.append("***")
+            hide_next = False
+            continue
+        flag, eq, _ = arg.partition("=")
+        if flag in secret_flags:
+            if eq:
+                out.append(f"{flag}=***")
+            else:
+                out.append(arg)
+                hide_next = True
+            continue
+        out.append(arg)
+    return shlex.join(out)

@@ -1,0 +1,90 @@
+"""Dataset versions: everything that changes the tensors of a sample is in the fingerprint.
+
+``{out}/versions/{fingerprint}/`` holds one dataset version: another model, layer set,
+dtype, chat template or length rule is another folder, never mixed into this one.
+Within a version a sample is identified by its content key, so a re-run extracts only
+the keys that no finished shard holds yet.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from patches.dumps import FINAL_NORM, LAYER_CONVENTION, default_aux_layer_ids
+
+#: Bumped when the training-set layout or the meaning of a field changes.
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    name: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    identity: str  # content hash of config, tokenizer and weight files (see model_identity)
+
+
+def read_model_facts(model_path: Path) -> ModelFacts:
+    config = json.loads((model_path / "config.json").read_text())
+    config = config.get("text_config", config)
+    return ModelFacts(name=model_path.name, num_layers=int(config["num_hidden_layers"]),
+                      hidden_size=int(config["hidden_size"]), vocab_size=int(config["vocab_size"]),
+                      identity=model_identity(model_path))
+
+
+def model_identity(model_path: Path, tail_bytes: int = 1 << 20) -> str:
+    """Hash of the model's small files whole and of each weight file's size, header and tail.
+
+    Reading every weight byte of a 70B model would take minutes per run; the safetensors
+    header (names, shapes, dtypes, offsets) plus the last MiB tells apart any two
+    checkpoints met in practice.
+    """
+    h = hashlib.sha256()
+    for path in sorted(p for p in model_path.iterdir() if p.is_file()):
+        h.update(path.name.encode())
+        size = path.stat().st_size
+        h.update(str(size).encode())
+        with open(path, "rb") as f:
+            if size <= 4 * tail_bytes:
+                h.update(f.read())
+                continue
+            h.update(f.read(tail_bytes))
+            f.seek(size - tail_bytes)
+            h.update(f.read())
+    return h.hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class ExtractionConfig:
+    model_identity: str
+    layer_ids: tuple[int, ...]
+    layer_convention: str
+    final_norm: str
+    dtype: str
+    template_hash: str
+    max_length: int
+    on_overlong: str
+    schema_version: int = SCHEMA_VERSION
+
+    def fingerprint(self) -> str:
+        blob = json.dumps(asdict(self), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def extraction_config(model: ModelFacts, layer_ids: list[int] | None, dtype: str, template_hash: str,
+                      max_length: int, on_overlong: str) -> ExtractionConfig:
+    layers = tuple(layer_ids) if layer_ids else tuple(default_aux_layer_ids(model.num_layers))
+    bad = [i for i in layers if not 1 <= i <= model.num_layers]
+    if bad:
+        raise ValueError(f"aux layer ids {bad} are outside 1..{model.num_layers} "
+                         f"(HF hidden_states indices of model {model.name})")
+    return ExtractionConfig(model.identity, layers, LAYER_CONVENTION, FINAL_NORM, dtype, template_hash,
+                            max_length, on_overlong)
+
+
+def version_dir(out: Path, config: ExtractionConfig) -> Path:
+    return out / "versions" / config.fingerprint()

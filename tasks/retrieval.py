@@ -1,0 +1,194 @@
+"""Content-matched retrieval: send a sample, find ITS dump by rid, verify it by content.
+
+The extraction core runs without Prefect: :func:`extract_samples` takes prepared
+samples and a server, and returns training samples and failures. Each attempt uses a
+fresh rid (sample key + attempt + nonce) and a unique ``extra_key`` so that neither the
+prefix cache nor an earlier attempt's leftovers can stand in for this request. A dump
+is accepted only if its pieces cover every prompt token exactly once with the
+request's own token ids, the configured layers, shapes and finite values.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import requests
+import torch
+
+from patches.dumps import DumpError, DumpReader
+from tasks.prompts import PreparedSample
+from tasks.training_set import TrainingSample
+
+
+class SampleError(Exception):
+    """One sample could not be extracted. ``retryable`` says whether another attempt can help."""
+
+    retryable = True
+
+    def __init__(self, sample_key: str, source_id: str, reason: str):
+        self.sample_key, self.source_id, self.reason = sample_key, source_id, reason
+        super().__init__(f"sample {source_id!r} (key {sample_key[:12]}): {reason}")
+
+
+class ServerRejected(SampleError):
+    """The server refused the request as bad input (HTTP 400): retrying cannot fix it."""
+
+    retryable = False
+
+
+class ServerUnavailable(SampleError):
+    """The server did not answer, or answered with an error it may recover from."""
+
+
+class DumpUnusable(SampleError):
+    """The request's dump was missing, incomplete, corrupt or foreign."""
+
+
+class ConfigMismatch(SampleError):
+    """The dump was written with other layers, dtype or model than this run expects."""
+
+    retryable = False
+
+
+@dataclass(frozen=True)
+class ExpectedDump:
+    """What every dump of this run must carry (checked on each sample)."""
+
+    layer_ids: tuple[int, ...]
+    hidden_size: int
+    dtype: str
+
+
+@dataclass(frozen=True)
+class RetrievalSettings:
+    url: str
+    rid_prefix: str
+    expected: ExpectedDump
+    headers: tuple[tuple[str, str], ...] = ()
+    attempts: int = 3
+    backoff_s: float = 0.5
+    dump_wait_s: float = 60.0
+    request_timeout_s: float = 600.0
+
+
+@dataclass(frozen=True)
+class SampleFailure:
+    sample_key: str
+    source_id: str
+    reason: str
+    error: str  # exception class name
+    retryable: bool
+    attempts: int
+
+
+def new_rid(prefix: str, sample_key: str, attempt: int) -> str:
+    return f"{prefix}{sample_key[:16]}-a{attempt}-{uuid.uuid4().hex[:12]}"
+
+
+def send_generate(settings: RetrievalSettings, sample: PreparedSample, rid: str,
+                  session: requests.Session) -> dict:
+    """POST one prefill-only request; return its ``meta_info``."""
+    body = {"input_ids": list(sample.input_ids), "rid": rid, "extra_key": rid,
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
+    try:
+        r = session.post(f"{settings.url}/generate", json=body, headers=dict(settings.headers),
+                         timeout=settings.request_timeout_s)
+    except requests.RequestException as exc:
+        raise ServerUnavailable(sample.sample_key, sample.source_id,
+                                f"POST {settings.url}/generate rid {rid}: {type(exc).__name__}: {exc}") from exc
+    if r.status_code == 400:
+        raise ServerRejected(sample.sample_key, sample.source_id, f"server refused rid {rid}: {r.text[:500]}")
+    if r.status_code != 200:
+        raise ServerUnavailable(sample.sample_key, sample.source_id,
+                                f"POST /generate rid {rid}: HTTP {r.status_code} {r.text[:300]}")
+    meta = r.json().get("meta_info", {})
+    if meta.get("id", rid) != rid:
+        raise ServerUnavailable(sample.sample_key, sample.source_id, f"answer for rid {meta.get('id')!r}, sent {rid!r}")
+    return meta
+
+
+def fetch_dump(settings: RetrievalSettings, reader: DumpReader, sample: PreparedSample, rid: str) -> TrainingSample:
+    """Wait for the rid's pieces, assemble and verify them. The rid's files are deleted either way."""
+    try:
+        infos = reader.wait(rid, len(sample.input_ids), timeout=settings.dump_wait_s)
+        dump = reader.assemble(rid, sample.input_ids, infos)
+    except DumpError as exc:
+        raise DumpUnusable(sample.sample_key, sample.source_id, f"{type(exc).__name__}: {exc}") from exc
+    finally:
+        reader.delete(rid)
+    exp = settings.expected
+    got = (tuple(dump.layer_ids), dump.final_hidden_states.shape[1], dump.dtype)
+    if got != (exp.layer_ids, exp.hidden_size, exp.dtype):
+        raise ConfigMismatch(sample.sample_key, sample.source_id,
+                             f"dump of rid {rid} has layers/hidden/dtype {got}, this run expects "
+                             f"{(exp.layer_ids, exp.hidden_size, exp.dtype)}")
+    return TrainingSample(sample_key=sample.sample_key, source_id=sample.source_id,
+                          input_ids=dump.input_ids, loss_mask=torch.tensor(sample.loss_mask, dtype=torch.int64),
+                          aux_hidden_states=dump.aux_hidden_states, final_hidden_states=dump.final_hidden_states)
+
+
+def extract_one(settings: RetrievalSettings, reader: DumpReader, sample: PreparedSample, attempt: int,
+                session: requests.Session) -> TrainingSample:
+    """One attempt: fresh rid, request, then the dump matched by that rid and the sample's ids."""
+    rid = new_rid(settings.rid_prefix, sample.sample_key, attempt)
+    try:
+        meta = send_generate(settings, sample, rid, session)
+    except SampleError:
+        reader.delete(rid)  # pieces a failed request may still have written
+        raise
+    if meta.get("prompt_tokens", len(sample.input_ids)) != len(sample.input_ids):
+        reader.delete(rid)
+        raise DumpUnusable(sample.sample_key, sample.source_id,
+                           f"server counted {meta.get('prompt_tokens')} prompt tokens, sent {len(sample.input_ids)}")
+    return fetch_dump(settings, reader, sample, rid)
+
+
+def extract_with_retries(settings: RetrievalSettings, reader: DumpReader, sample: PreparedSample,
+                         session: requests.Session, first_attempt: int = 1) -> TrainingSample | SampleFailure:
+    """Up to ``settings.attempts`` attempts with exponential backoff; permanent errors stop at once."""
+    last: SampleError | None = None
+    for i in range(settings.attempts):
+        attempt = first_attempt + i
+        try:
+            return extract_one(settings, reader, sample, attempt, session)
+        except SampleError as exc:
+            last = exc
+            if not exc.retryable:
+                break
+            if i + 1 < settings.attempts:
+                time.sleep(settings.backoff_s * (2 ** i))
+    assert last is not None
+    return SampleFailure(sample.sample_key, sample.source_id, last.reason, type(last).__name__,
+                         last.retryable, attempt - first_attempt + 1)
+
+
+def extract_samples(settings: RetrievalSettings, reader: DumpReader, samples: Sequence[PreparedSample],
+                    max_in_flight: int, in_flight: threading.Semaphore | None = None,
+                    on_done: Callable[[], None] | None = None,
+                    ) -> tuple[list[TrainingSample], list[SampleFailure]]:
+    """Extract a batch with at most ``max_in_flight`` requests at once (and under ``in_flight``,
+    a limit shared with other batches, when given). Results keep the input order."""
+    session = requests.Session()
+    adapter = requests.adapters.HTTPAdapter(pool_maxsize=max_in_flight)
+    session.mount("http://", adapter)
+
+    def run(sample: PreparedSample) -> TrainingSample | SampleFailure:
+        if in_flight is None:
+            result = extract_with_retries(settings, reader, sample, session)
+        else:
+            with in_flight:
+                result = extract_with_retries(settings, reader, sample, session)
+        if on_done is not None:
+            on_done()
+        return result
+
+    with session, ThreadPoolExecutor(max_workers=max_in_flight, thread_name_prefix="extract") as pool:
+        results = list(pool.map(run, samples))
+    written = [r for r in results if isinstance(r, TrainingSample)]
+    failed = [r for r in results if isinstance(r, SampleFailure)]
+    return written, failed

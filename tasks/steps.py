@@ -1,0 +1,71 @@
+"""The flow's steps as Prefect tasks: thin wrappers over the plain functions that do the work.
+
+No tensors cross a task boundary: batches return shard paths and small summaries.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import requests
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+from prefect.runtime import task_run as current_task_run
+from prefect.tasks import exponential_backoff
+
+from patches.dumps import DumpReader
+from tasks.prompts import PreparedPrompts, PreparedSample, prepare_prompts
+from tasks.retrieval import (ConfigMismatch, RetrievalSettings, SampleError, SampleFailure, extract_one,
+                             extract_samples)
+from tasks.training_set import ConsolidationSummary, DatasetInfo, ShardSummary, consolidate, write_shard
+
+
+@dataclass(frozen=True)
+class BatchResult:
+    index: int
+    shard: ShardSummary | None
+    failures: list[SampleFailure] = field(default_factory=list)
+
+
+@task(name="prepare-prompts", cache_policy=NO_CACHE)
+def prepare_step(prompts: Path, tokenizer, max_length: int, on_overlong: str) -> PreparedPrompts:
+    return prepare_prompts(prompts, tokenizer, max_length=max_length, on_overlong=on_overlong)
+
+
+@task(name="extract-batch", task_run_name="batch-{index:04d}", cache_policy=NO_CACHE)
+def extract_batch_step(index: int, samples: list[PreparedSample], settings: RetrievalSettings, dump_dir: Path,
+                       shard_path: Path, max_in_flight: int, in_flight: threading.Semaphore,
+                       on_done: Callable[[], None] | None = None) -> BatchResult:
+    """Extract one batch and write its shard. A configuration mismatch fails the batch (and the run)."""
+    written, failed = extract_samples(settings, DumpReader(dump_dir), samples, max_in_flight, in_flight, on_done)
+    mismatch = next((f for f in failed if f.error == ConfigMismatch.__name__), None)
+    if mismatch is not None:
+        raise ConfigMismatch(mismatch.sample_key, mismatch.source_id, mismatch.reason)
+    shard = write_shard(shard_path, written) if written else None
+    return BatchResult(index, shard, failed)
+
+
+def _retry_if_retryable(task, task_run, state) -> bool:
+    exc = state.result(raise_on_failure=False)
+    return isinstance(exc, SampleError) and exc.retryable
+
+
+@task(name="retry-sample", task_run_name="sample-{sample.source_id}", cache_policy=NO_CACHE, retries=2,
+      retry_delay_seconds=exponential_backoff(backoff_factor=2), retry_jitter_factor=0.5,
+      retry_condition_fn=_retry_if_retryable)
+def retry_sample_step(sample: PreparedSample, settings: RetrievalSettings, dump_dir: Path, shard_path: Path,
+                      first_attempt: int) -> ShardSummary:
+    """A sample its batch could not extract, as its own graph node: one attempt per Prefect try."""
+    attempt = first_attempt + current_task_run.run_count - 1
+    with requests.Session() as session:
+        extracted = extract_one(settings, DumpReader(dump_dir), sample, attempt, session)
+    return write_shard(shard_path, [extracted])
+
+
+@task(name="consolidate", cache_policy=NO_CACHE)
+def consolidate_step(version_dir: Path, info: DatasetInfo, keep_keys: set[str],
+                     exports: list[str]) -> ConsolidationSummary:
+    return consolidate(version_dir, info, keep_keys=keep_keys, exports=exports)
