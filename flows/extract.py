@@ -18,7 +18,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Literal
 
-from prefect import flow, get_run_logger
+from prefect import flow, get_client, get_run_logger
 from prefect.artifacts import create_table_artifact
 from prefect.futures import wait
 from prefect.task_runners import ThreadPoolTaskRunner
@@ -32,7 +32,7 @@ from infra.tiny_model import build_tiny_model
 from patches.dumps import DumpReader
 from tasks.dataset_version import extraction_config, read_model_facts, version_dir
 from tasks.prompts import template_hash, write_rejects
-from tasks.retrieval import ExpectedDump, RetrievalSettings, SampleFailure
+from tasks.retrieval import ExpectedDump, RetrievalSettings, SampleError, SampleFailure
 from tasks.steps import consolidate_step, extract_batch_step, prepare_step, retry_sample_step
 from tasks.training_set import DatasetInfo, read_shard_index
 
@@ -53,6 +53,7 @@ class ServerOptions(BaseModel):
     port: int = Field(0, title="--port", ge=0, le=65535, description="0 picks a free port.")
     api_key: SecretStr | None = Field(None, title="--api-key")
     ready_timeout_s: float = Field(300.0, title="Seconds to wait for /health", gt=0)
+    extra_args: list[str] = Field([], title="More server flags", description="Passed to the server as they are.")
 
 
 class ExtractParameters(BaseModel):
@@ -167,7 +168,8 @@ def run_extraction(params: ExtractParameters, model_path: Path, out: Path, vdir:
                                  aux_layer_ids=layer_ids, dtype=params.dtype, device=opts.device,
                                  chunked_prefill_size=opts.chunked_prefill_size,
                                  disable_radix_cache=opts.disable_radix_cache,
-                                 skip_server_warmup=opts.skip_server_warmup, api_key=api_key)
+                                 skip_server_warmup=opts.skip_server_warmup, api_key=api_key,
+                                 extra_args=tuple(opts.extra_args))
     server = start_server(server_config, vdir / "runs" / f"{run_id}-server.log", ready_timeout_s=opts.ready_timeout_s)
     try:
         settings = RetrievalSettings(url=server.url, rid_prefix=RID_PREFIX,
@@ -191,21 +193,21 @@ def run_extraction(params: ExtractParameters, model_path: Path, out: Path, vdir:
         if stragglers:
             by_key = {s.sample_key: s for s in todo}
             retry = retry_sample_step.with_options(retries=params.sample_retries)
-            pending = [(f, retry.submit(quote(by_key[f.sample_key]), settings, dump_dir,
-                                        vdir / "shards" / f"shard-{run_id}-retry-{n:05d}.safetensors",
-                                        first_attempt=f.attempts + 1))
+            pending = [(f, retry.submit(quote(by_key[f.sample_key]), f, settings, dump_dir,
+                                        vdir / "shards" / f"shard-{run_id}-retry-{n:05d}.safetensors"))
                        for n, f in enumerate(stragglers)]
             wait([p for _, p in pending])
+            client = get_client(sync_client=True)
             for first, future in pending:
-                state = future.state
-                if state.is_completed():
+                if future.state.is_completed():
                     tokens += future.result().tokens
-                else:
-                    exc = state.result(raise_on_failure=False)
-                    failures.append(SampleFailure(first.sample_key, first.source_id,
-                                                  getattr(exc, "reason", str(exc)), type(exc).__name__,
-                                                  getattr(exc, "retryable", False),
-                                                  first.attempts + (future.state.state_details.run_count or 1)))
+                    continue
+                exc = future.state.result(raise_on_failure=False)
+                retried = client.read_task_run(future.task_run_id).run_count if first.retryable else 0
+                failures.append(SampleFailure(first.sample_key, first.source_id,
+                                              exc.reason if isinstance(exc, SampleError) else str(exc),
+                                              first.error if not first.retryable else type(exc).__name__,
+                                              first.retryable, first.attempts + retried))
         return tokens, failures, time.monotonic() - started
     finally:
         code = server.stop()

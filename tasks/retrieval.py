@@ -55,6 +55,12 @@ class ConfigMismatch(SampleError):
     retryable = False
 
 
+class PermanentFailure(SampleError):
+    """A failure already known not to be retryable, re-raised where it is reported."""
+
+    retryable = False
+
+
 @dataclass(frozen=True)
 class ExpectedDump:
     """What every dump of this run must carry (checked on each sample)."""

@@ -18,8 +18,8 @@ from prefect.tasks import exponential_backoff
 
 from patches.dumps import DumpReader
 from tasks.prompts import PreparedPrompts, PreparedSample, prepare_prompts
-from tasks.retrieval import (ConfigMismatch, RetrievalSettings, SampleError, SampleFailure, extract_one,
-                             extract_samples)
+from tasks.retrieval import (ConfigMismatch, PermanentFailure, RetrievalSettings, SampleError, SampleFailure,
+                             extract_one, extract_samples)
 from tasks.training_set import ConsolidationSummary, DatasetInfo, ShardSummary, consolidate, write_shard
 
 
@@ -56,10 +56,15 @@ def _retry_if_retryable(task, task_run, state) -> bool:
 @task(name="retry-sample", task_run_name="sample-{sample.source_id}", cache_policy=NO_CACHE, retries=2,
       retry_delay_seconds=exponential_backoff(backoff_factor=2), retry_jitter_factor=0.5,
       retry_condition_fn=_retry_if_retryable)
-def retry_sample_step(sample: PreparedSample, settings: RetrievalSettings, dump_dir: Path, shard_path: Path,
-                      first_attempt: int) -> ShardSummary:
-    """A sample its batch could not extract, as its own graph node: one attempt per Prefect try."""
-    attempt = first_attempt + current_task_run.run_count - 1
+def retry_sample_step(sample: PreparedSample, failure: SampleFailure, settings: RetrievalSettings, dump_dir: Path,
+                      shard_path: Path) -> ShardSummary:
+    """A sample its batch could not extract, as its own graph node: one attempt per Prefect try.
+
+    A permanent failure (bad input) is not sent again: the node fails at once with its reason.
+    """
+    if not failure.retryable:
+        raise PermanentFailure(failure.sample_key, failure.source_id, f"{failure.error}: {failure.reason}")
+    attempt = failure.attempts + current_task_run.run_count
     with requests.Session() as session:
         extracted = extract_one(settings, DumpReader(dump_dir), sample, attempt, session)
     return write_shard(shard_path, [extracted])
