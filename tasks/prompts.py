@@ -195,17 +195,19 @@ def source_id_of(row: dict, line: int) -> str:
 
 def normalize_messages(row: dict) -> list[dict[str, str]]:
     """The row's messages as ``[{"role", "content"}]`` with template roles; raises ``_RowRejected``."""
-    if "messages" in row and "conversations" in row:
+    # A null field counts as absent: a Parquet table holding both shapes has both columns.
+    has_messages, has_conversations = row.get("messages") is not None, row.get("conversations") is not None
+    if has_messages and has_conversations:
         raise _RowRejected("malformed row: has both 'messages' and 'conversations'")
-    if "messages" in row:
-        raw, role_key, content_key, roles = row["messages"], "role", "content", OPENAI_ROLES
-    elif "conversations" in row:
-        raw, role_key, content_key, roles = row["conversations"], "from", "value", SHAREGPT_ROLES
+    if has_messages:
+        field, role_key, content_key, roles = "messages", "role", "content", OPENAI_ROLES
+    elif has_conversations:
+        field, role_key, content_key, roles = "conversations", "from", "value", SHAREGPT_ROLES
     else:
         raise _RowRejected("malformed row: no 'messages' or 'conversations' field")
+    raw = row[field]
     if not isinstance(raw, list) or not raw:
-        raise _RowRejected(f"malformed row: '{'messages' if roles is OPENAI_ROLES else 'conversations'}' "
-                           f"is not a non-empty list")
+        raise _RowRejected(f"malformed row: {field!r} is not a non-empty list")
     messages = []
     for i, message in enumerate(raw):
         if not isinstance(message, dict):
@@ -265,7 +267,7 @@ def assistant_spans(tokenizer, messages: list[dict], rendered: str) -> list[tupl
         # With the generation prompt the assistant header is already in the prefix, so the search
         # below cannot match the content inside the header (content "assistant", say).
         before = _render(tokenizer, messages[:i], add_generation_prompt=True)
-        if not (through.startswith(before) and len(before) <= len(through)):
+        if not through.startswith(before):
             before = _render(tokenizer, messages[:i], add_generation_prompt=False)
             if not through.startswith(before):
                 raise LossMaskError(f"the chat template renders messages[:{i}] differently from the start of "

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from infra.tiny_model import build_tiny_model
+
+# No network here or in CI: keep Prefect from phoning home.
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 
 @pytest.fixture(scope="session")
@@ -18,8 +22,6 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def prefect_api():
     """A real Prefect API (temporary SQLite) for flow tests; its URL is exported for subprocess flows."""
-    import os
-
     from prefect.settings import get_current_settings
     from prefect.testing.utilities import prefect_test_harness
 
