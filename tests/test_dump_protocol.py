@@ -1,0 +1,92 @@
+"""The dump protocol: a client must be able to tell a whole, own dump from anything else."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from patches.dumps import (DumpDuplicate, DumpForeign, DumpIncomplete, DumpMissing, DumpReader, DumpSettings,
+                           DumpWriteFailed, DumpWriter, prompt_hash)
+
+H, LAYERS = 8, (2, 4, 5)
+
+
+def make_writer(tmp_path, **kw) -> DumpWriter:
+    return DumpWriter(DumpSettings(tmp_path, "eagle3-", "tiny", LAYERS, **kw))
+
+
+def write_chunks(writer, rid, ids, bounds, aux, final):
+    for start, end in bounds:
+        assert writer.submit(rid, chunk_start=start, input_ids=torch.tensor(ids[start:end]), prompt_len=len(ids),
+                             prompt_hash=prompt_hash(ids), aux_hidden_states=aux[start:end],
+                             final_hidden_states=final[start:end])
+
+
+@pytest.fixture
+def tensors():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 1000, (37,), generator=g).tolist()
+    return ids, torch.randn(37, 3 * H, generator=g), torch.randn(37, H, generator=g)
+
+
+def test_chunked_pieces_assemble_to_the_whole_prompt(tmp_path, tensors):
+    ids, aux, final = tensors
+    writer = make_writer(tmp_path)
+    write_chunks(writer, "eagle3-a", ids, [(0, 10), (10, 30), (30, 37)], aux, final)
+    reader = DumpReader(tmp_path)
+    dump = reader.assemble("eagle3-a", ids, reader.wait("eagle3-a", len(ids), timeout=10))
+    writer.close()
+    assert torch.equal(dump.aux_hidden_states, aux) and torch.equal(dump.final_hidden_states, final)
+    assert dump.layer_ids == list(LAYERS) and dump.final_norm == "post_norm"
+    assert reader.delete("eagle3-a") == 3 and reader.piece_paths("eagle3-a") == []
+
+
+def test_prefix_cache_hit_is_incomplete(tmp_path, tensors):
+    ids, aux, final = tensors
+    writer = make_writer(tmp_path)
+    write_chunks(writer, "eagle3-rep", ids, [(36, 37)], aux, final)  # a repeat prefills only its last token
+    writer.close()
+    with pytest.raises(DumpIncomplete, match="prefix-cache"):
+        DumpReader(tmp_path).assemble("eagle3-rep", ids)
+
+
+def test_duplicate_foreign_and_missing_are_told_apart(tmp_path, tensors):
+    ids, aux, final = tensors
+    writer = make_writer(tmp_path)
+    write_chunks(writer, "eagle3-dup", ids, [(0, 20), (0, 20), (20, 37)], aux, final)
+    other = ids[:5] + [ids[5] + 1] + ids[6:]
+    write_chunks(writer, "eagle3-foreign", other, [(0, 37)], aux, final)
+    writer.close()
+    reader = DumpReader(tmp_path)
+    with pytest.raises(DumpDuplicate):
+        reader.assemble("eagle3-dup", ids)
+    with pytest.raises(DumpForeign, match="eagle3-foreign"):
+        reader.assemble("eagle3-foreign", ids)
+    with pytest.raises(DumpMissing):
+        reader.wait("eagle3-never-sent", len(ids), timeout=0.2)
+
+
+def test_size_cap_leaves_a_marker_the_client_reads(tmp_path, tensors):
+    ids, aux, final = tensors
+    writer = make_writer(tmp_path, max_dir_bytes=1000)
+    write_chunks(writer, "eagle3-big", ids, [(0, 37)], aux, final)
+    reader = DumpReader(tmp_path)
+    with pytest.raises(DumpWriteFailed, match="cap of 1000"):
+        reader.wait("eagle3-big", len(ids), timeout=10)
+    writer.close()
+    assert writer.stats()["refused"] == 1
+
+
+def test_temporary_files_are_invisible_and_swept(tmp_path, tensors):
+    ids, aux, final = tensors
+    # What a writer killed mid-write leaves: a dot-prefixed partial file, never the final name.
+    (tmp_path / f".eagle3-x.000000000.abcd.dump.safetensors.1234.tmp").write_bytes(b"partial")
+    reader = DumpReader(tmp_path)
+    assert reader.piece_paths("eagle3-x") == []
+    old = time.time() - 7200
+    for p in tmp_path.iterdir():
+        os.utime(p, (old, old))
+    assert reader.remove_stale(ttl_s=3600) == 1 and list(tmp_path.iterdir()) == []
