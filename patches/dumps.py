@@ -218,6 +218,10 @@ class DumpWriter:
             return False
         return True
 
+    def fail(self, rid: str, reason: str) -> None:
+        """Record that the server cannot dump ``rid`` (error marker + log line); never raises."""
+        self._refuse(rid, reason)
+
     def close(self, timeout: float | None = 60.0) -> None:
         """Drain the queue and stop the thread."""
         self._queue.put(None)

@@ -14,11 +14,12 @@ Token ids
 
 Loss mask (SpecForge's convention)
     1 on the tokens of every assistant message's content and on the end-of-turn token that
-    closes it, 0 elsewhere. The method needs no ``{% generation %}`` tags: message ``i``'s text
-    lies between the renderings of ``messages[:i]`` (with the generation prompt, which puts the
-    assistant header before it) and ``messages[:i+1]``; the content is found there as written
-    (or stripped, for templates that ``trim``), and char spans become tokens through the fast
-    tokenizer's offset mapping. The end-of-turn token is the first token after the content when
+    closes it, 0 elsewhere. The method needs no ``{% generation %}`` tags: for each assistant
+    message ``i`` it renders ``messages[:i+1]`` (a prefix of the whole rendering) and the same
+    with a probe string in place of message ``i``'s content; the text around the probe is the
+    template's, and the rendering must be exactly that text with the content (as written, or
+    stripped for templates that ``trim``) in between. Char spans become tokens through the fast
+    tokenizer's offset mapping; tokens overlapping the content are supervised. The end-of-turn token is the first token after the content when
     it is a special token (``<|eot_id|>``, ``<|im_end|>``, ``</s>``); templates that close a turn
     with plain text supervise the content only.
 
@@ -250,8 +251,13 @@ def sample_key(input_ids: Sequence[int], loss_mask: Sequence[int]) -> str:
     return digest.hexdigest()[:32]
 
 
-def _render(tokenizer, messages: list[dict], add_generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+def _render(tokenizer, messages: list[dict]) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+
+
+#: stands in for an assistant message's content to learn where the template puts it; no whitespace at
+#: its ends (templates that ``trim`` keep it) and nothing a real conversation would contain.
+CONTENT_PROBE = "Q7xContentProbe3f9b"
 
 
 def assistant_spans(tokenizer, messages: list[dict], rendered: str) -> list[tuple[int, int, int]]:
@@ -260,23 +266,22 @@ def assistant_spans(tokenizer, messages: list[dict], rendered: str) -> list[tupl
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        through = _render(tokenizer, messages[: i + 1], add_generation_prompt=False)
+        through = _render(tokenizer, messages[: i + 1])
         if not rendered.startswith(through):
             raise LossMaskError(f"the chat template renders messages[:{i + 1}] differently inside the whole "
                                 f"conversation, so message {i}'s text cannot be located")
-        # With the generation prompt the assistant header is already in the prefix, so the search
-        # below cannot match the content inside the header (content "assistant", say).
-        before = _render(tokenizer, messages[:i], add_generation_prompt=True)
-        if not through.startswith(before):
-            before = _render(tokenizer, messages[:i], add_generation_prompt=False)
-            if not through.startswith(before):
-                raise LossMaskError(f"the chat template renders messages[:{i}] differently from the start of "
-                                    f"messages[:{i + 1}], so message {i}'s text cannot be located")
-        turn_end = len(through)
+        # The same prefix with a probe for message i's content: the text before the probe is what the
+        # template writes before the content (earlier turns, the assistant header), the text after it
+        # closes the turn. The real rendering must be exactly that with the content in between.
+        probe = _render(tokenizer, messages[:i] + [{"role": "assistant", "content": CONTENT_PROBE}])
+        at = probe.find(CONTENT_PROBE)
+        if at < 0:
+            raise LossMaskError(f"the chat template does not write assistant content verbatim (a probe for "
+                                f"message {i} disappeared)")
+        head, tail = probe[:at], probe[at + len(CONTENT_PROBE):]
         for text in (message["content"], message["content"].strip()):
-            start = rendered.find(text, len(before), turn_end)
-            if start >= 0:
-                spans.append((start, start + len(text), turn_end))
+            if through == head + text + tail:
+                spans.append((len(head), len(head) + len(text), len(through)))
                 break
         else:
             raise LossMaskError(f"the content of message {i} (assistant) does not appear in the rendered "
@@ -291,7 +296,7 @@ def compute_loss_mask(tokenizer, messages: list[dict]) -> tuple[list[int], list[
     if not tokenizer.is_fast:
         raise SlowTokenizer(f"tokenizer {tokenizer.name_or_path!r} is not a fast tokenizer; loss masks need "
                             f"its offset mapping")
-    rendered = _render(tokenizer, messages, add_generation_prompt=False)
+    rendered = _render(tokenizer, messages)
     spans = assistant_spans(tokenizer, messages, rendered)
     encoded = tokenizer(rendered, add_special_tokens=False, return_offsets_mapping=True)
     input_ids, offsets = list(encoded["input_ids"]), encoded["offset_mapping"]

@@ -1,0 +1,393 @@
+"""The hidden-state dump hook that runs inside a real SGLang server.
+
+How it gets in: SGLang's own ``--forward-hooks`` option (``patches.launch`` writes it).
+``ModelRunner`` calls ``hook_manager.register_forward_hooks`` in every scheduler
+subprocess after CUDA-graph capture and before serving; the JSON (with our settings as
+each spec's ``config``) travels there inside ServerArgs, and ``resolve_callable``
+imports this module there, so a hook installed in the parent, an env var or a ``.pth``
+file are not needed; only ``patches`` must be importable (the launcher puts the project
+on PYTHONPATH).
+
+What it attaches, per process:
+- a forward hook on the model's ``logits_processor``: its positional args are
+  ``(input_ids, hidden_states, lm_head, forward_batch, aux_hidden_states)``, i.e. the
+  batch's new tokens, the final hidden states after the norm for every row, and the
+  EAGLE-3 aux list;
+- on releases whose EAGLE-3 capture needs a draft model (``layer_hooks``), forward hooks
+  on the decoder layers before each tap that compute what SGLang's capture computes,
+  ``hidden_states + residual`` (the residual stream entering the tap layer);
+- a wrapper around ``ForwardBatch.init_new``, the one place where the ScheduleBatch's
+  ``Req`` objects are at hand, that notes each wanted request's whole-prompt length and
+  hash on the ForwardBatch (the model side only sees the chunk's new tokens).
+
+Only EXTEND and MIXED forwards of rids with the dump prefix are dumped, on attention-TP
+rank 0 (each DP rank has its own scheduler and writes its own requests). Device-to-host
+copies run on a side stream into pinned memory; the DumpWriter thread waits on the
+copy's event, so the scheduler never waits for a copy or a disk.
+
+This module imports without SGLang (the launcher and the CPU tests use it); SGLang is
+imported only inside the factories, which run in the server.
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from patches.batch_slicing import BatchLayoutError, slice_extend_batch
+from patches.dumps import DumpSettings, DumpWriter, prompt_hash
+from patches.sglang_releases import (
+    DECODER_LAYER_MODULE,
+    FORWARD_BATCH_INFO,
+    LOGITS_PROCESSOR_MODULE,
+    PARALLEL_STATE,
+    AuxCapture,
+)
+
+log = logging.getLogger(__name__)
+
+#: ForwardMode names whose rows are prefill rows (MIXED: plus decode rows riding along).
+DUMPED_FORWARD_MODES = ("EXTEND", "MIXED")
+#: Attributes this hook sets on a ForwardBatch (plain dataclass instances take them).
+PROMPTS_ATTR = "eagle3_dump_prompts"
+AUX_ATTR = "eagle3_dump_aux"
+
+LOGITS_HOOK_FACTORY = "patches.sglang_hook:make_logits_hook"
+LAYER_HOOK_FACTORY = "patches.sglang_hook:make_aux_layer_hook"
+
+
+@dataclass(frozen=True)
+class PromptInfo:
+    """What the dump metadata needs of the whole prompt, read from ``Req.origin_input_ids``."""
+
+    prompt_len: int
+    prompt_hash: str
+
+
+# --------------------------------------------------------------------------- the tensor logic
+
+
+HostCopy = tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]
+#: (input_ids rows, aux rows per layer, final rows) -> host (ids, aux [n, k*H], final, ready event)
+HostCopier = Callable[[torch.Tensor, Sequence[torch.Tensor], torch.Tensor], HostCopy]
+
+
+def copy_rows_to_host(ids: torch.Tensor, aux: Sequence[torch.Tensor], final: torch.Tensor) -> HostCopy:
+    """Host copies of one request's rows; on CUDA through :class:`SideStreamCopier`'s default."""
+    if final.is_cuda:
+        return _side_stream_copier()(ids, aux, final)
+    return ids.clone(), torch.cat(list(aux), dim=-1), final.clone(), None
+
+
+class SideStreamCopier:
+    """Copies rows to pinned host memory on a side stream; returns the event to wait on.
+
+    The side stream first waits for the forward's stream (a GPU-side dependency, no host
+    sync), and ``record_stream`` keeps the caching allocator from handing the source
+    memory to the next forward before the copy has read it.
+    """
+
+    def __init__(self, device: torch.device):
+        self.stream = torch.cuda.Stream(device=device)
+
+    def __call__(self, ids: torch.Tensor, aux: Sequence[torch.Tensor], final: torch.Tensor) -> HostCopy:
+        self.stream.wait_stream(torch.cuda.current_stream(final.device))
+        with torch.cuda.stream(self.stream):
+            aux_rows = torch.cat(list(aux), dim=-1)
+            host = []
+            for t in (ids, aux_rows, final):
+                t.record_stream(self.stream)
+                h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                h.copy_(t, non_blocking=True)
+                host.append(h)
+            ready = torch.cuda.Event()
+            ready.record(self.stream)
+        return host[0], host[1], host[2], ready
+
+
+_copiers: dict[int, SideStreamCopier] = {}
+
+
+def _side_stream_copier() -> SideStreamCopier:
+    device = torch.cuda.current_device()
+    if device not in _copiers:
+        _copiers[device] = SideStreamCopier(torch.device("cuda", device))
+    return _copiers[device]
+
+
+def dump_extend_batch(
+    writer: DumpWriter,
+    *,
+    rids: Sequence[str] | None,
+    prompts: Sequence[PromptInfo | None],
+    extend_seq_lens: Sequence[int],
+    extend_prefix_lens: Sequence[int],
+    forward_mode: str,
+    input_ids: torch.Tensor,
+    final_hidden_states: torch.Tensor,
+    aux_hidden_states: Sequence[torch.Tensor] | torch.Tensor | None,
+    num_aux_layers: int,
+    copier: HostCopier = copy_rows_to_host,
+) -> list[str]:
+    """Submit one piece per wanted request of one forward; returns the rids submitted.
+
+    ``final_hidden_states`` [rows, H] and ``aux_hidden_states`` (a list of ``num_aux_layers``
+    tensors [rows, H], or one packed [rows, k*H]) cover the whole flat batch; rows past the
+    requests' are padding. A request's piece holds its rows up to the end of its prompt:
+    rows of a decode step (a request whose prefix already covers its prompt) and output
+    tokens of a re-prefilled request are not part of the prompt. A batch that does not add
+    up leaves an error marker for each wanted rid and is otherwise skipped.
+    """
+    if forward_mode not in DUMPED_FORWARD_MODES or not rids:
+        return []
+    wanted = [i for i, rid in enumerate(rids) if writer.wants(rid)]
+    if not wanted:
+        return []
+
+    def fail_all(reason: str) -> list[str]:
+        for i in wanted:
+            writer.fail(rids[i], reason)
+        return []
+
+    if len(prompts) != len(rids):
+        return fail_all(f"{len(rids)} rids but {len(prompts)} prompt notes in a {forward_mode} batch")
+    aux_parts = _split_aux(aux_hidden_states, num_aux_layers, final_hidden_states)
+    if isinstance(aux_parts, str):
+        return fail_all(aux_parts)
+    num_rows = min(int(final_hidden_states.shape[0]), int(input_ids.shape[0]),
+                   *(int(a.shape[0]) for a in aux_parts))
+    is_prefill = [p is not None and int(prefix) < p.prompt_len for p, prefix in zip(prompts, extend_prefix_lens)]
+    try:
+        layout = slice_extend_batch(rids, extend_seq_lens, extend_prefix_lens, num_rows, is_prefill)
+    except BatchLayoutError as exc:
+        return fail_all(f"{forward_mode} batch layout: {exc}")
+
+    submitted = []
+    for i in wanted:
+        rows, prompt = layout[i], prompts[i]
+        if prompt is None:
+            writer.fail(rows.rid, "no prompt noted for it: ForwardBatch.init_new was not wrapped in this process")
+            continue
+        if not rows.is_prefill or rows.n == 0:
+            continue
+        n = min(rows.n, prompt.prompt_len - rows.chunk_start)
+        r0, r1 = rows.row_start, rows.row_start + n
+        ids, aux, final, ready = copier(input_ids[r0:r1], [a[r0:r1] for a in aux_parts], final_hidden_states[r0:r1])
+        if writer.submit(rows.rid, chunk_start=rows.chunk_start, input_ids=ids, prompt_len=prompt.prompt_len,
+                         prompt_hash=prompt.prompt_hash, aux_hidden_states=aux, final_hidden_states=final,
+                         forward_mode="extend", ready=ready):
+            submitted.append(rows.rid)
+    return submitted
+
+
+def _split_aux(aux, k: int, final: torch.Tensor) -> list[torch.Tensor] | str:
+    """The aux states as k tensors [rows, H], or the reason they cannot be used."""
+    if aux is None or (not isinstance(aux, torch.Tensor) and len(aux) == 0):
+        return ("no aux hidden states reached the logits processor: SGLang's EAGLE-3 capture (or, on "
+                "layer_hooks releases, the decoder-layer hooks) is off; start the server with python -m patches.launch")
+    h = int(final.shape[-1])
+    if isinstance(aux, torch.Tensor):
+        if aux.dim() != 2 or aux.shape[-1] != k * h:
+            return f"packed aux hidden states of shape {tuple(aux.shape)}, expected [rows, {k}*{h}]"
+        return list(aux.split(h, dim=-1))
+    parts = list(aux)
+    if len(parts) != k or any(p.dim() != 2 or p.shape[-1] != h for p in parts):
+        shapes = [tuple(p.shape) for p in parts]
+        return f"aux hidden states {shapes}, expected {k} tensors [rows, {h}]"
+    return parts
+
+
+# --------------------------------------------------------------------------- the hook config
+
+
+@dataclass(frozen=True)
+class HookConfig:
+    """The JSON-able settings every scheduler subprocess receives in its hook spec's config."""
+
+    dump_dir: str
+    rid_prefix: str
+    model: str
+    layer_ids: tuple[int, ...]
+    aux_capture: AuxCapture
+    max_pending_bytes: int
+    max_dir_bytes: int | None
+
+    def to_json(self) -> dict:
+        return {"dump_dir": self.dump_dir, "rid_prefix": self.rid_prefix, "model": self.model,
+                "layer_ids": list(self.layer_ids), "aux_capture": self.aux_capture,
+                "max_pending_bytes": self.max_pending_bytes, "max_dir_bytes": self.max_dir_bytes}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "HookConfig":
+        return cls(str(d["dump_dir"]), str(d["rid_prefix"]), str(d["model"]), tuple(int(i) for i in d["layer_ids"]),
+                   d["aux_capture"], int(d["max_pending_bytes"]),
+                   None if d["max_dir_bytes"] is None else int(d["max_dir_bytes"]))
+
+    def dump_settings(self) -> DumpSettings:
+        return DumpSettings(dump_dir=Path(self.dump_dir), rid_prefix=self.rid_prefix, model=self.model,
+                            layer_ids=self.layer_ids, max_pending_bytes=self.max_pending_bytes,
+                            max_dir_bytes=self.max_dir_bytes)
+
+
+def forward_hook_specs(config: HookConfig) -> list[dict]:
+    """The ``--forward-hooks`` entries for this config (what ``patches.launch`` passes)."""
+    specs = [{"name": "eagle3-dump", "target_modules": [LOGITS_PROCESSOR_MODULE],
+              "hook_factory": LOGITS_HOOK_FACTORY, "config": config.to_json()}]
+    if config.aux_capture == "layer_hooks":
+        # HF hidden_states[i] is the residual stream entering layer i = the output of layer i-1.
+        for layer_id in config.layer_ids:
+            specs.append({"name": f"eagle3-aux-{layer_id}", "target_modules": [DECODER_LAYER_MODULE.format(layer_id - 1)],
+                          "hook_factory": LAYER_HOOK_FACTORY, "config": {**config.to_json(), "layer_id": layer_id}})
+    return specs
+
+
+# --------------------------------------------------------------------------- inside the server
+
+
+class _ProcessState:
+    """One per server process: the writer (on the writing rank) and the init_new wrapper."""
+
+    def __init__(self, config: HookConfig):
+        self.config = config
+        parallel_state = importlib.import_module(PARALLEL_STATE)
+        self.attn_tp_rank = int(parallel_state.get_attn_tensor_model_parallel_rank())
+        self.writer = DumpWriter(config.dump_settings()) if self.attn_tp_rank == 0 else None
+        self.hashes = _PromptHashCache()
+        self.warned_unnoted = False
+        if self.writer is not None:
+            _wrap_init_new(self)
+        log.info("eagle3 dump hook: attention-TP rank %d %s dumps of rids %r to %s (layers %s, aux %s)",
+                 self.attn_tp_rank, "writes" if self.writer else "does not write", config.rid_prefix,
+                 config.dump_dir, list(config.layer_ids), config.aux_capture)
+
+    def prompts_of(self, reqs: Sequence[Any]) -> tuple[PromptInfo | None, ...]:
+        return tuple(self.hashes.get(req) if self.writer.wants(req.rid) else None for req in reqs)
+
+
+class _PromptHashCache:
+    """Prompt hashes by rid, so a long prompt prefilled in many chunks is hashed once."""
+
+    def __init__(self, max_entries: int = 4096):
+        self._entries: collections.OrderedDict[str, tuple[int, int, PromptInfo]] = collections.OrderedDict()
+        self._max = max_entries
+
+    def get(self, req: Any) -> PromptInfo:
+        ids = req.origin_input_ids
+        key = (id(ids), len(ids))
+        hit = self._entries.get(req.rid)
+        if hit is not None and hit[:2] == key:
+            return hit[2]
+        info = PromptInfo(len(ids), prompt_hash(ids))
+        self._entries[req.rid] = (*key, info)
+        self._entries.move_to_end(req.rid)
+        while len(self._entries) > self._max:
+            self._entries.popitem(last=False)
+        return info
+
+
+_state_lock = threading.Lock()
+_state: _ProcessState | None = None
+
+
+def _process_state(config: HookConfig) -> _ProcessState:
+    global _state
+    with _state_lock:
+        if _state is None:
+            _state = _ProcessState(config)
+        elif _state.config != config:
+            raise RuntimeError(f"two eagle3 dump hook configs in one process: {_state.config} and {config}")
+        return _state
+
+
+def _wrap_init_new(state: _ProcessState) -> None:
+    """Note each wanted request's prompt on the ForwardBatch built from its ScheduleBatch."""
+    forward_batch_cls = importlib.import_module(FORWARD_BATCH_INFO).ForwardBatch
+    original = forward_batch_cls.init_new
+    if getattr(original, "__eagle3_dump_wrapped__", False):
+        return
+    original_func = original.__func__
+
+    def init_new(cls, batch, model_runner, *args, **kwargs):
+        forward_batch = original_func(cls, batch, model_runner, *args, **kwargs)
+        if forward_batch.forward_mode.name in DUMPED_FORWARD_MODES and any(
+                state.writer.wants(req.rid) for req in batch.reqs):
+            setattr(forward_batch, PROMPTS_ATTR, state.prompts_of(batch.reqs))
+        return forward_batch
+
+    init_new.__eagle3_dump_wrapped__ = True
+    forward_batch_cls.init_new = classmethod(init_new)
+
+
+def make_logits_hook(config: dict) -> Callable | None:
+    """Hook factory for the logits processor (``--forward-hooks`` calls it in each process)."""
+    hook_config = HookConfig.from_json(config)
+    state = _process_state(hook_config)
+    if state.writer is None:
+        return None  # SGLang logs that this rank registers no hook
+    writer, builtin = state.writer, hook_config.aux_capture == "builtin"
+
+    def hook(module, args, output):
+        input_ids, hidden_states, forward_batch = args[0], args[1], args[3]
+        prompts = getattr(forward_batch, PROMPTS_ATTR, None)
+        if prompts is None:
+            _check_unnoted(state, forward_batch)
+            return None
+        if builtin:
+            aux = args[4] if len(args) > 4 else None
+        else:
+            captured = forward_batch.__dict__.pop(AUX_ATTR, {})
+            aux = [captured[i] for i in hook_config.layer_ids] if len(captured) == len(hook_config.layer_ids) else None
+        dump_extend_batch(
+            writer, rids=forward_batch.rids, prompts=prompts,
+            extend_seq_lens=forward_batch.extend_seq_lens_cpu, extend_prefix_lens=forward_batch.extend_prefix_lens_cpu,
+            forward_mode=forward_batch.forward_mode.name, input_ids=input_ids, final_hidden_states=hidden_states,
+            aux_hidden_states=aux, num_aux_layers=len(hook_config.layer_ids))
+        return None
+
+    return hook
+
+
+def make_aux_layer_hook(config: dict) -> Callable | None:
+    """Hook factory for the decoder layer before tap ``config['layer_id']`` (``layer_hooks`` releases)."""
+    layer_id = int(config["layer_id"])
+    state = _process_state(HookConfig.from_json({k: v for k, v in config.items() if k != "layer_id"}))
+    if state.writer is None:
+        return None
+
+    def hook(module, args, output):
+        forward_batch = args[2]
+        if getattr(forward_batch, PROMPTS_ATTR, None) is None:
+            return None  # not a batch with a wanted prefill: nothing to capture
+        hidden_states, residual = output
+        # The same expression SGLang's EAGLE-3 capture evaluates before layer `layer_id`
+        # runs (LlamaModel.forward); computed now, before that layer's fused norm
+        # overwrites both tensors in place.
+        forward_batch.__dict__.setdefault(AUX_ATTR, {})[layer_id] = hidden_states + residual
+        return None
+
+    return hook
+
+
+def _check_unnoted(state: _ProcessState, forward_batch) -> None:
+    """An EXTEND forward that init_new did not note: fail its wanted rids, if it still has rids."""
+    if forward_batch.forward_mode.name not in DUMPED_FORWARD_MODES:
+        return
+    rids = forward_batch.rids
+    if rids is None:
+        if not state.warned_unnoted:
+            state.warned_unnoted = True
+            log.error("eagle3 dump hook: an %s forward reached the logits processor without rids "
+                      "(the prefill CUDA graph path?); its requests cannot be dumped. Launch with "
+                      "python -m patches.launch, which disables the prefill CUDA graph.",
+                      forward_batch.forward_mode.name)
+        return
+    for rid in rids:
+        if state.writer.wants(rid):
+            state.writer.fail(rid, "its forward batch was not built by ForwardBatch.init_new, so its prompt is unknown")

@@ -1,0 +1,203 @@
+"""The SGLang hook's tensor logic and the launcher's flag plan, on CPU without SGLang.
+
+The batches are laid out as SGLang lays them out (new tokens of each request, in request
+order, then padding); their rows are a real forward of the tiny model, so an assembled
+dump can be compared with the model's own hidden states.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from patches import launch
+from patches.dumps import DumpReader, DumpSettings, DumpWriteFailed, DumpWriter, default_aux_layer_ids, prompt_hash
+from patches.sglang_hook import HookConfig, PromptInfo, dump_extend_batch, forward_hook_specs
+from patches.sglang_releases import SUPPORTED_RELEASES, UnsupportedSGLangRelease, release
+
+PROMPTS = {
+    "eagle3-long": list(range(5, 31)),      # 26 tokens, prefilled in three chunks
+    "eagle3-short": [7, 3, 9, 11, 2, 40, 41],
+    "warmup-uuid": [1, 2, 3],               # SGLang's warmup: no dump prefix
+}
+
+
+@pytest.fixture(scope="module")
+def truth(tiny_model_dir):
+    """rid -> (aux [T, 3H], final [T, H]) from the model's own forward (HF hidden_states convention)."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    layer_ids = default_aux_layer_ids(model.config.num_hidden_layers)
+    out = {}
+    with torch.no_grad():
+        for rid, ids in PROMPTS.items():
+            hs = model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+            out[rid] = (torch.cat([hs[i][0] for i in layer_ids], -1), hs[-1][0])
+    return layer_ids, out
+
+
+def _writer(tmp_path, layer_ids, **kw):
+    return DumpWriter(DumpSettings(dump_dir=tmp_path, rid_prefix="eagle3-", model="tiny", layer_ids=tuple(layer_ids), **kw))
+
+
+def _run_batch(writer, truth, batch, padding=0, mode="EXTEND", packed=False, **overrides):
+    """Lay out ``batch`` [(rid, prefix, n)] like SGLang and pass it through the hook's tensor logic."""
+    layer_ids, states = truth
+    ids, aux, final, prompts = [], [], [], []
+    for rid, prefix, n in batch:
+        full = PROMPTS[rid]
+        a, f = states[rid]
+        if prefix >= len(full):  # a decode step: one row past the prompt (its values do not matter)
+            ids.append(torch.tensor([99])), aux.append(torch.full((1, a.shape[1]), 7.0)), final.append(torch.full((1, f.shape[1]), 7.0))
+        else:
+            ids.append(torch.tensor(full[prefix:prefix + n])), aux.append(a[prefix:prefix + n]), final.append(f[prefix:prefix + n])
+        prompts.append(PromptInfo(len(full), prompt_hash(full)) if writer.wants(rid) else None)
+    h = final[0].shape[1]
+    ids.append(torch.zeros(padding, dtype=torch.int64)), aux.append(torch.zeros(padding, 3 * h)), final.append(torch.zeros(padding, h))
+    aux_flat = torch.cat(aux)
+    args = dict(rids=[r for r, _, _ in batch], prompts=prompts, extend_seq_lens=[n for _, _, n in batch],
+                extend_prefix_lens=[p for _, p, _ in batch], forward_mode=mode, input_ids=torch.cat(ids),
+                final_hidden_states=torch.cat(final),
+                aux_hidden_states=aux_flat if packed else list(aux_flat.split(h, -1)), num_aux_layers=len(layer_ids))
+    args.update(overrides)
+    return dump_extend_batch(writer, **args)
+
+
+def test_chunked_mixed_padded_batches_assemble_to_the_models_hidden_states(tmp_path, truth):
+    writer = _writer(tmp_path, truth[0])
+    # chunk 1 of "long" with all of "short" and the warmup; chunk 2 of "long" next to a decode
+    # step of "short" (MIXED) and graph padding; chunk 3 alone, aux packed as 0.5.23 may pass it.
+    assert _run_batch(writer, truth, [("eagle3-long", 0, 10), ("eagle3-short", 0, 7), ("warmup-uuid", 0, 3)]) \
+        == ["eagle3-long", "eagle3-short"]
+    assert _run_batch(writer, truth, [("eagle3-long", 10, 12), ("eagle3-short", 7, 1)], padding=5, mode="MIXED") \
+        == ["eagle3-long"]
+    assert _run_batch(writer, truth, [("eagle3-long", 22, 4)], packed=True) == ["eagle3-long"]
+    writer.close()
+
+    reader = DumpReader(tmp_path)
+    for rid in ("eagle3-long", "eagle3-short"):
+        dump = reader.assemble(rid, PROMPTS[rid])
+        aux, final = truth[1][rid]
+        torch.testing.assert_close(dump.aux_hidden_states, aux, rtol=0, atol=0)
+        torch.testing.assert_close(dump.final_hidden_states, final, rtol=0, atol=0)
+        assert dump.layer_ids == truth[0]
+    assert [p.chunk_start for p in reader.pieces("eagle3-long")] == [0, 10, 22]
+    assert reader.piece_paths("warmup-uuid") == [], "the warmup's rid has no dump prefix"
+
+
+def test_decode_and_other_forward_modes_are_not_dumped(tmp_path, truth):
+    writer = _writer(tmp_path, truth[0])
+    assert _run_batch(writer, truth, [("eagle3-short", 0, 7)], mode="DECODE") == []
+    assert _run_batch(writer, truth, [("eagle3-short", 0, 7)], mode="TARGET_VERIFY") == []
+    assert _run_batch(writer, truth, [("eagle3-short", 0, 7)], rids=None) == []
+    writer.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_batch_that_does_not_add_up_leaves_error_markers_and_serving_goes_on(tmp_path, truth):
+    writer = _writer(tmp_path, truth[0])
+    _run_batch(writer, truth, [("eagle3-short", 0, 7)], extend_seq_lens=[9])          # more rows claimed than exist
+    _run_batch(writer, truth, [("eagle3-long", 0, 10)], aux_hidden_states=None)      # capture off
+    writer.close()
+    reader = DumpReader(tmp_path)
+    with pytest.raises(DumpWriteFailed, match="layout"):
+        reader.wait("eagle3-short", 7, timeout=1)
+    with pytest.raises(DumpWriteFailed, match="EAGLE-3 capture"):
+        reader.wait("eagle3-long", 26, timeout=1)
+
+
+def test_a_full_writer_budget_leaves_an_error_marker(tmp_path, truth):
+    writer = _writer(tmp_path, truth[0], max_pending_bytes=100)
+    assert _run_batch(writer, truth, [("eagle3-short", 0, 7)]) == []
+    writer.close()
+    with pytest.raises(DumpWriteFailed, match="budget"):
+        DumpReader(tmp_path).wait("eagle3-short", 7, timeout=1)
+
+
+# --------------------------------------------------------------------------- the launcher
+
+
+def _plan(version, tmp_path, server_argv, dump_argv=(), model=("LlamaForCausalLM", 32)):
+    args = launch.dump_arg_parser().parse_args(["--dump-dir", str(tmp_path), *dump_argv])
+    return launch.plan_launch(SUPPORTED_RELEASES[version], args, ["--model-path", "/m", *server_argv], model=model)
+
+
+def _hooks(plan):
+    return json.loads(plan.argv[plan.argv.index("--forward-hooks") + 1])
+
+
+def test_launch_on_0_5_23_uses_sglangs_capture_and_disables_the_prefill_graph(tmp_path):
+    plan = _plan("0.5.23", tmp_path, ["--tp-size", "2", "--chunked-prefill-size", "4096"], ["--dump-aux-layers", "3", "10"])
+    argv = plan.argv
+    assert "--disable-prefill-cuda-graph" in argv
+    i = argv.index("--return-aux-hidden-state-layer-ids")
+    assert argv[i + 1:i + 3] == ["2", "9"], "SGLang id k captures HF hidden_states[k+1]"
+    assert argv[argv.index("--speculative-algorithm") + 1] == "EAGLE3" and "--enable-return-aux-hidden-states" in argv
+    hooks = _hooks(plan)
+    assert [h["target_modules"] for h in hooks] == [["logits_processor"]]
+    assert HookConfig.from_json(hooks[0]["config"]) == plan.hook_config
+    assert plan.hook_config.layer_ids == (3, 10) and plan.hook_config.dump_dir == str(tmp_path.resolve())
+    assert any("chunked-prefill-size 4096 is fine" in n for n in plan.notes)
+
+
+def test_launch_on_0_5_17_hooks_the_layers_before_each_tap(tmp_path):
+    plan = _plan("0.5.17", tmp_path, [])
+    assert "--enable-return-aux-hidden-states" not in plan.argv
+    hooks = _hooks(plan)
+    assert [h["target_modules"] for h in hooks] == [["logits_processor"], ["model.layers.1"], ["model.layers.15"],
+                                                     ["model.layers.28"]]
+    assert [h["config"].get("layer_id") for h in hooks[1:]] == [2, 16, 29]
+    assert forward_hook_specs(plan.hook_config) == hooks
+
+
+def test_launch_merges_given_forward_hooks(tmp_path):
+    mine = {"name": "probe", "target_modules": ["model.norm"], "hook_factory": "x:y"}
+    plan = _plan("0.5.23", tmp_path, ["--forward-hooks", json.dumps([mine])])
+    assert plan.argv.count("--forward-hooks") == 1 and _hooks(plan)[0] == mine
+
+
+@pytest.mark.parametrize("server_argv, message", [
+    (["--pp-size", "2"], "pp-size"),
+    (["--attn-cp-size", "2"], "attn-cp-size"),
+    (["--enable-layernorm-sp"], "sequence-sharded"),
+    (["--cuda-graph-backend-prefill", "breakable"], "without rids"),
+    (["--cuda-graph-config", '{"prefill": {"backend": "full"}}'], "without rids"),
+    (["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "/d"], "speculative"),
+    (["--return-aux-hidden-state-layer-ids", "1", "2"], "--dump-aux-layers"),
+])
+def test_launch_refuses_flags_that_break_dumps(tmp_path, server_argv, message):
+    with pytest.raises(launch.LaunchRefused, match=message):
+        _plan("0.5.23", tmp_path, server_argv)
+
+
+def test_launch_refuses_a_missing_dump_dir_bad_layers_and_unsupported_models(tmp_path):
+    with pytest.raises(launch.LaunchRefused, match="does not exist"):
+        _plan("0.5.23", tmp_path / "typo", [])
+    with pytest.raises(launch.LaunchRefused, match=r"\[1, 32\)"):
+        _plan("0.5.23", tmp_path, [], ["--dump-aux-layers", "0", "5", "9"])
+    with pytest.raises(launch.LaunchRefused, match="Qwen3ForCausalLM"):
+        _plan("0.5.17", tmp_path, [], model=("Qwen3ForCausalLM", 32))
+
+
+def test_an_unsupported_release_names_found_and_supported_versions():
+    with pytest.raises(UnsupportedSGLangRelease, match=r"SGLang 0\.5\.14 is installed.*0\.5\.17, 0\.5\.23"):
+        release("0.5.14")
+    with pytest.raises(UnsupportedSGLangRelease, match="not installed"):
+        release(None)
+
+
+def test_the_launcher_command_line_refuses_without_sglang(tmp_path, tiny_model_dir):
+    """This venv has no SGLang: ``python -m patches.launch`` must say so and which releases it supports."""
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-m", "patches.launch", "--dump-dir", str(tmp_path), "--",
+                           "--model-path", str(tiny_model_dir)], capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "SGLang is not installed" in done.stderr and "0.5.17, 0.5.23" in done.stderr
+
+
+def test_the_launcher_reads_the_local_models_config(tmp_path, tiny_model_dir):
+    args = launch.dump_arg_parser().parse_args(["--dump-dir", str(tmp_path)])
+    plan = launch.plan_launch(SUPPORTED_RELEASES["0.5.23"], args, ["--model-path", str(tiny_model_dir)])
+    assert plan.hook_config.layer_ids == tuple(default_aux_layer_ids(8))

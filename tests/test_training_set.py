@@ -1,0 +1,193 @@
+"""Shards, manifest, dataset metadata and the loader, on synthetic tensors (no server needed)."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import resource
+import signal
+import subprocess
+import sys
+import textwrap
+from dataclasses import replace
+from pathlib import Path
+
+import polars as pl
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tasks.training_set import (DatasetInfo, InvalidSample, MissingSamples, SchemaMismatch, ShardCorrupt,
+                                TrainingSample, TrainingSetDataset, consolidate, content_hash, list_shards,
+                                read_dataset_info, read_shard_index, write_shard)
+
+HIDDEN = 16
+LAYERS = [2, 4, 5]
+REPO = Path(__file__).resolve().parent.parent
+
+
+def make_sample(key: str, tokens: int, seed: int, dtype: torch.dtype = torch.bfloat16,
+                hidden: int = HIDDEN) -> TrainingSample:
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.randint(0, 2, (tokens,), generator=g)
+    return TrainingSample(sample_key=key, source_id=f"conv-{key}",
+                          input_ids=torch.randint(0, 1000, (tokens,), generator=g), loss_mask=mask,
+                          aux_hidden_states=torch.randn(tokens, len(LAYERS) * hidden, generator=g).to(dtype),
+                          final_hidden_states=torch.randn(tokens, hidden, generator=g).to(dtype))
+
+
+def make_info(dtype: str = "bfloat16", hidden: int = HIDDEN) -> DatasetInfo:
+    return DatasetInfo(model="synthetic", layer_ids=LAYERS, layer_convention="hf_hidden_states_index",
+                       final_norm="post_norm", dtype=dtype, hidden_size=hidden, num_layers=8,
+                       template_hash="t" * 16, max_length=64, project_version="0.1.0", fingerprint="f" * 16)
+
+
+def shard_path(version_dir: Path, name: str) -> Path:
+    (version_dir / "shards").mkdir(parents=True, exist_ok=True)
+    return version_dir / "shards" / f"{name}.safetensors"
+
+
+def test_shard_round_trip_through_plain_safetensors_and_the_index(tmp_path):
+    samples = [make_sample("a", 5, 1), make_sample("b", 3, 2), make_sample("c", 9, 3)]
+    summary = write_shard(shard_path(tmp_path, "s0"), samples)
+
+    assert (summary.samples, summary.tokens, summary.sample_keys) == (3, 17, ["a", "b", "c"])
+    assert summary.bytes == Path(summary.path).stat().st_size
+    # Any safetensors reader opens a shard: the tensors are the samples back to back.
+    tensors = load_file(summary.path)
+    assert tensors["offsets"].tolist() == [0, 5, 8, 17]
+    assert torch.equal(tensors["aux_hidden_states"][5:8], samples[1].aux_hidden_states)
+    assert torch.equal(tensors["final_hidden_states"][8:17], samples[2].final_hidden_states)
+    assert torch.equal(tensors["loss_mask"][:5], samples[0].loss_mask)
+
+    index = read_shard_index(summary.path)
+    assert [(r["sample_key"], r["source_id"], r["offset_start"], r["offset_end"], r["num_tokens"]) for r in index] == [
+        ("a", "conv-a", 0, 5, 5), ("b", "conv-b", 5, 8, 3), ("c", "conv-c", 8, 17, 9)]
+    for row, s in zip(index, samples):
+        assert row["num_supervised"] == int(s.loss_mask.sum())
+        assert row["content_hash"] == content_hash(s.input_ids, s.loss_mask, s.aux_hidden_states,
+                                                   s.final_hidden_states)
+        assert row["shard"] == "s0.safetensors"
+
+
+def test_content_hash_tells_apart_samples_that_differ_in_one_value():
+    s = make_sample("a", 6, 1)
+    changed = s.final_hidden_states.clone()
+    changed[3, 7] += 1
+    assert content_hash(s.input_ids, s.loss_mask, s.aux_hidden_states, s.final_hidden_states) != \
+        content_hash(s.input_ids, s.loss_mask, s.aux_hidden_states, changed)
+
+
+def test_write_shard_refuses_bad_samples_naming_them(tmp_path):
+    good = make_sample("good", 4, 1)
+    bad_mask = replace(make_sample("bad-mask", 4, 2), loss_mask=torch.tensor([0, 1, 2, 1]))
+    with pytest.raises(InvalidSample, match="bad-mask.*other than 0 and 1"):
+        write_shard(shard_path(tmp_path, "s"), [good, bad_mask])
+    other_dtype = make_sample("fp32", 4, 3, dtype=torch.float32)
+    with pytest.raises(InvalidSample, match="fp32.*dtypes"):
+        write_shard(shard_path(tmp_path, "s"), [good, other_dtype])
+    with pytest.raises(InvalidSample, match="good.*twice"):
+        write_shard(shard_path(tmp_path, "s"), [good, good])
+    assert list_shards(tmp_path) == []
+
+
+# Writes an old shard, then a bigger one over it under a file-size limit: first with SIGXFSZ
+# ignored (the write fails with an OSError, like a full disk), then with its default action,
+# which kills the process mid-write, like a crash.
+_CRASH_CHILD = textwrap.dedent("""
+    import resource, signal, sys
+    from pathlib import Path
+    sys.path[:0] = [{repo!r}, {tests!r}]
+    from test_training_set import make_sample
+    from tasks.training_set import write_shard
+    path = Path({path!r})
+    write_shard(path, [make_sample("old", 4, 0)])
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    big = [make_sample(f"new{{i}}", 4096, i, hidden=64) for i in range(2)]  # ~4 MiB of hidden states
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    try:
+        write_shard(path, big)
+    except OSError as exc:
+        print("failed:", exc.errno, flush=True)
+    signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
+    write_shard(path, big)
+    print("not killed", flush=True)
+""")
+
+
+def test_shard_write_is_atomic_on_error_and_on_crash(tmp_path):
+    path = shard_path(tmp_path, "s0")
+    child = subprocess.run([sys.executable, "-c", _CRASH_CHILD.format(repo=str(REPO), tests=str(REPO / "tests"),
+                                                                      path=str(path))],
+                           capture_output=True, text=True, timeout=120)
+    assert child.returncode == -signal.SIGXFSZ, child.stdout + child.stderr
+    assert "failed: 27" in child.stdout  # EFBIG, raised and the temporary file removed
+    # The old shard is whole and still the one under the name; the killed write left only
+    # a dot-named temporary file, which no reader takes for a shard.
+    assert [r["sample_key"] for r in read_shard_index(path)] == ["old"]
+    leftovers = [p for p in path.parent.iterdir() if p != path]
+    assert len(leftovers) == 1 and leftovers[0].name.startswith(".s0.safetensors.")
+    assert leftovers[0].name.endswith(".tmp") and leftovers[0].stat().st_size > 0
+    assert list_shards(tmp_path) == [path]
+    assert consolidate(tmp_path, make_info(), exports=()).samples == 1
+    assert resource.getrlimit(resource.RLIMIT_FSIZE)[0] == resource.RLIM_INFINITY  # the limit stayed in the child
+
+
+def test_consolidate_keeps_wanted_samples_once_and_counts_them(tmp_path):
+    a, b, c, d = (make_sample(k, n, seed) for k, n, seed in [("a", 5, 1), ("b", 3, 2), ("c", 7, 3), ("d", 4, 4)])
+    c_again = make_sample("c", 6, 99)  # the same key written again by a later run, other tensors
+    write_shard(shard_path(tmp_path, "shard-1"), [a, b, c])
+    write_shard(shard_path(tmp_path, "shard-2"), [c_again, d])
+
+    summary = consolidate(tmp_path, make_info(), keep_keys={"a", "c", "d"}, exports=())
+
+    manifest = pl.read_parquet(tmp_path / "manifest.parquet")
+    assert manifest["sample_key"].to_list() == ["a", "c", "d"]
+    c_row = manifest.filter(pl.col("sample_key") == "c").row(0, named=True)
+    assert (c_row["shard"], c_row["num_tokens"]) == ("shard-1.safetensors", 7)  # first shard by name wins
+    assert (summary.samples, summary.tokens, summary.duplicates, summary.left_out, summary.shards) == (3, 16, 1, 1, 2)
+    assert summary.supervised_tokens == sum(int(s.loss_mask.sum()) for s in (a, c, d))
+    assert summary.bytes == 16 * (16 + 4 * HIDDEN * 2)
+
+    dataset = json.loads((tmp_path / "dataset.json").read_text())
+    assert dataset["schema_version"] == 1 and dataset["samples"] == 3 and dataset["tokens"] == 16
+    assert dataset["shards"] == ["shard-1.safetensors", "shard-2.safetensors"]
+    assert read_dataset_info(tmp_path) == make_info()
+
+    everything = consolidate(tmp_path, make_info(), keep_keys=None, exports=())
+    assert (everything.samples, everything.left_out) == (4, 0)
+
+
+def test_consolidate_refuses_missing_samples_and_foreign_shards(tmp_path):
+    write_shard(shard_path(tmp_path, "shard-1"), [make_sample("a", 5, 1)])
+    with pytest.raises(MissingSamples, match="1 of the 2 samples.*'zz'"):
+        consolidate(tmp_path, make_info(), keep_keys={"a", "zz"}, exports=())
+    write_shard(shard_path(tmp_path, "shard-2"), [make_sample("b", 5, 2, hidden=32)])
+    with pytest.raises(SchemaMismatch, match="shard-2.safetensors"):
+        consolidate(tmp_path, make_info(), exports=())
+    (tmp_path / "shards" / "shard-2.safetensors").write_bytes(b"\x08" + bytes(15))  # a truncated file
+    with pytest.raises(ShardCorrupt, match="shard-2.safetensors"):
+        consolidate(tmp_path, make_info(), exports=())
+
+
+def test_loader_returns_exactly_the_written_tensors(tmp_path):
+    samples = {s.sample_key: s for s in [make_sample("k1", 5, 1), make_sample("k2", 1, 2), make_sample("k3", 8, 3)]}
+    write_shard(shard_path(tmp_path, "shard-1"), [samples["k2"], samples["k1"]])
+    write_shard(shard_path(tmp_path, "shard-2"), [samples["k3"]])
+    consolidate(tmp_path, make_info(), exports=())
+
+    dataset = TrainingSetDataset(tmp_path)
+    assert len(dataset) == 3 and not dataset._handles  # len() opens no shard
+    # A DataLoader worker gets a pickled copy: it must work there too.
+    for ds in (dataset, pickle.loads(pickle.dumps(dataset))):
+        for i, key in enumerate(ds.manifest["sample_key"].to_list()):
+            item, want = ds[i], samples[key]
+            assert torch.equal(item["input_ids"], want.input_ids)
+            assert torch.equal(item["loss_mask"], want.loss_mask)
+            assert item["aux_hidden_states"].dtype == torch.bfloat16
+            assert torch.equal(item["aux_hidden_states"], want.aux_hidden_states)
+            assert torch.equal(item["hidden_states"], want.final_hidden_states)
+    with pytest.raises(IndexError):
+        dataset[3]
+    batches = list(torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=1))
+    assert [int(b["input_ids"].numel()) for b in batches] == [5, 1, 8]
