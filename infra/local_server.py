@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import inspect
 import json
 import logging
 import signal
@@ -356,6 +357,8 @@ class Scheduler:
                  max_running: int, prefix_cache: PrefixCache | None, dump_hook: DumpHook | None):
         self.model = model
         self.device = next(model.parameters()).device
+        # transformers >= 5.2x names the KV argument ``cache``; earlier 5.x releases ``past_key_values``.
+        self._cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self.eos_ids = eos_ids
         self.prefill_budget, self.mixed, self.max_running = prefill_budget, mixed, max_running
         self.prefix_cache, self.dump_hook = prefix_cache, dump_hook
@@ -464,8 +467,8 @@ class Scheduler:
                 chunk = req.tokens(req.computed, n)
                 if req.cache is None:
                     req.cache = DynamicCache(config=self.model.config)
-                out = self.model(input_ids=torch.tensor([chunk], device=self.device), cache=req.cache,
-                                 use_cache=True, output_hidden_states=True, logits_to_keep=1)
+                out = self.model(input_ids=torch.tensor([chunk], device=self.device), use_cache=True,
+                                 output_hidden_states=True, logits_to_keep=1, **{self._cache_kwarg: req.cache})
                 seq_lens.append(n)
                 prefix_lens.append(req.computed)
                 is_prefill.append(req.prefilling)

@@ -272,6 +272,31 @@ def test_sigterm_answers_in_flight_requests_and_drains_the_writer(start_local_se
     assert "server ready on http://127.0.0.1:" in server.log_path.read_text()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_server_dumps_match_the_cpu_reference(start_local_server, tiny_model_dir, model, dtype):
+    server = start_local_server(tiny_model_dir, "--device", "cuda", "--dtype", dtype, "--chunked-prefill-size", "16")
+    try:
+        rng = random.Random(11)
+        prompts = [(f"eagle3-cuda-{dtype}-{i}", random_ids(rng, rng.randint(20, 120))) for i in range(8)]
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            answers = list(pool.map(lambda p: server.generate(rid=p[0], input_ids=p[1], extra_key=p[0],
+                                                              sampling_params={"max_new_tokens": 2}), prompts))
+        reader = DumpReader(server.dump_dir)
+        for (rid, ids), answer in zip(prompts, answers):
+            assert answer.status_code == 200, answer.text
+            dump = reader.assemble(rid, ids, reader.wait(rid, len(ids), timeout=30))
+            assert dump.dtype == dtype
+            aux, final = reference_hidden_states(model, ids, dump.layer_ids)
+            for got, want in ((dump.aux_hidden_states.float(), aux), (dump.final_hidden_states.float(), final)):
+                if dtype == "float32":
+                    assert (got - want).abs().max() <= TOL, rid
+                else:  # bfloat16 keeps ~3 significant digits; rounding compounds over 8 layers
+                    assert (got - want).norm() / want.norm() < 0.03, rid
+    finally:
+        assert server.stop() == 0, server.log_tail()
+
+
 # --------------------------------------------------------------------------- scheduling, without a server
 
 
@@ -289,12 +314,9 @@ def test_step_plan_shares_the_prefill_budget_in_request_order():
 
 
 def test_prefix_cache_reuses_the_longest_prefix_within_a_namespace(model):
-    from transformers import DynamicCache
-
     ids = list(range(5, 25))
-    kv = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(torch.tensor([ids]), cache=kv, use_cache=True)
+        kv = model(torch.tensor([ids]), use_cache=True).past_key_values
     cache = PrefixCache()
     cache.insert("", ids, kv)
     n, hit = cache.match("", ids, limit=len(ids) - 1)
