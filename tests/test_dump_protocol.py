@@ -8,21 +8,13 @@ import time
 import pytest
 import torch
 
-from patches.dumps import (DumpDuplicate, DumpForeign, DumpIncomplete, DumpMissing, DumpReader, DumpSettings,
-                           DumpWriteFailed, DumpWriter, prompt_hash)
-
-H, LAYERS = 8, (2, 4, 5)
-
-
-def make_writer(tmp_path, **kw) -> DumpWriter:
-    return DumpWriter(DumpSettings(tmp_path, "eagle3-", "tiny", LAYERS, **kw))
+from patches.dumps import DumpDuplicate, DumpForeign, DumpIncomplete, DumpMissing, DumpReader, DumpWriteFailed
+from tests.dump_support import LAYERS, H, make_writer, submit
 
 
 def write_chunks(writer, rid, ids, bounds, aux, final):
     for start, end in bounds:
-        assert writer.submit(rid, chunk_start=start, input_ids=torch.tensor(ids[start:end]), prompt_len=len(ids),
-                             prompt_hash=prompt_hash(ids), aux_hidden_states=aux[start:end],
-                             final_hidden_states=final[start:end])
+        assert submit(writer, rid, ids, start, end, aux=aux[start:end], final=final[start:end])
 
 
 @pytest.fixture
@@ -83,7 +75,7 @@ def test_size_cap_leaves_a_marker_the_client_reads(tmp_path, tensors):
 def test_temporary_files_are_invisible_and_swept(tmp_path, tensors):
     ids, aux, final = tensors
     # What a writer killed mid-write leaves: a dot-prefixed partial file, never the final name.
-    (tmp_path / f".eagle3-x.000000000.abcd.dump.safetensors.1234.tmp").write_bytes(b"partial")
+    (tmp_path / ".eagle3-x.000000000.abcd.dump.safetensors.1234.tmp").write_bytes(b"partial")
     reader = DumpReader(tmp_path)
     assert reader.piece_paths("eagle3-x") == []
     old = time.time() - 7200
