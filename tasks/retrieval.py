@@ -119,14 +119,12 @@ def send_generate(settings: RetrievalSettings, sample: PreparedSample, rid: str,
 
 
 def fetch_dump(settings: RetrievalSettings, reader: DumpReader, sample: PreparedSample, rid: str) -> TrainingSample:
-    """Wait for the rid's pieces, assemble and verify them. The rid's files are deleted either way."""
+    """Wait for the rid's pieces, assemble and verify them."""
     try:
         infos = reader.wait(rid, len(sample.input_ids), timeout=settings.dump_wait_s)
         dump = reader.assemble(rid, sample.input_ids, infos)
     except DumpError as exc:
         raise DumpUnusable(sample.sample_key, sample.source_id, f"{type(exc).__name__}: {exc}") from exc
-    finally:
-        reader.delete(rid)
     exp = settings.expected
     got = (tuple(dump.layer_ids), dump.final_hidden_states.shape[1], dump.dtype)
     if got != (exp.layer_ids, exp.hidden_size, exp.dtype):
@@ -140,18 +138,19 @@ def fetch_dump(settings: RetrievalSettings, reader: DumpReader, sample: Prepared
 
 def extract_one(settings: RetrievalSettings, reader: DumpReader, sample: PreparedSample, attempt: int,
                 session: requests.Session) -> TrainingSample:
-    """One attempt: fresh rid, request, then the dump matched by that rid and the sample's ids."""
+    """One attempt: fresh rid, request, then the dump matched by that rid and the sample's ids.
+
+    The rid's files are deleted however the attempt ends, pieces of a failed request included.
+    """
     rid = new_rid(settings.rid_prefix, sample.sample_key, attempt)
     try:
         meta = send_generate(settings, sample, rid, session)
-    except SampleError:
-        reader.delete(rid)  # pieces a failed request may still have written
-        raise
-    if meta.get("prompt_tokens", len(sample.input_ids)) != len(sample.input_ids):
+        if meta.get("prompt_tokens", len(sample.input_ids)) != len(sample.input_ids):
+            raise DumpUnusable(sample.sample_key, sample.source_id,
+                               f"server counted {meta.get('prompt_tokens')} prompt tokens, sent {len(sample.input_ids)}")
+        return fetch_dump(settings, reader, sample, rid)
+    finally:
         reader.delete(rid)
-        raise DumpUnusable(sample.sample_key, sample.source_id,
-                           f"server counted {meta.get('prompt_tokens')} prompt tokens, sent {len(sample.input_ids)}")
-    return fetch_dump(settings, reader, sample, rid)
 
 
 def extract_with_retries(settings: RetrievalSettings, reader: DumpReader, sample: PreparedSample,
