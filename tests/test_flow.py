@@ -1,28 +1,13 @@
-"""The whole extraction flow on the local server, under every awkward server behaviour at once."""
+"""The extraction flow on the local server: resume by content, versions by configuration."""
 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import threading
-import time
 from pathlib import Path
 
 import polars as pl
-import pytest
-import requests
-import torch
-from transformers import AutoTokenizer
 
-from flows.extract import ExtractParameters, ServerOptions, extract
-from infra.server import free_port
-from tasks.training_set import TrainingSetDataset
-from tests.ground_truth import load_reference_model, reference_hidden_states
-
-REPO = Path(__file__).resolve().parent.parent
+from flows.extract import ExtractParameters, extract
 
 
 def write_jsonl(path: Path, rows: list) -> Path:
@@ -41,27 +26,6 @@ def conversations(n: int, tag: str = "c") -> list[dict]:
             msgs.append({"role": "assistant", "content": f"Answer {turn}: " + "because light scatters. " * (1 + (i * 7) % 6)})
         rows.append({"id": f"{tag}{i}", "messages": msgs})
     return rows
-
-
-def independent_loss_mask(tokenizer, messages: list[dict], input_ids: list[int]) -> list[int]:
-    """Mask by rendering growing prefixes of the conversation and diffing their token counts.
-
-    Tokens added by an assistant message, minus its header, are supervised: its content
-    and the end-of-turn token. Valid for the tiny model's template, whose special tokens
-    never merge with neighbouring text.
-    """
-    mask: list[int] = []
-    header_len = len(tokenizer.encode("<|start_header_id|>assistant<|end_header_id|>\n\n", add_special_tokens=False))
-    prev = 0
-    for i, msg in enumerate(messages):
-        n = len(tokenizer.apply_chat_template(messages[: i + 1], tokenize=True, return_dict=False))
-        added = n - prev
-        if msg["role"] == "assistant":
-            mask += [0] * header_len + [1] * (added - header_len)
-        else:
-            mask += [0] * added
-        prev = n
-    return mask[: len(input_ids)]
 
 
 def test_rerun_writes_nothing_new_and_new_layers_make_a_new_version(prefect_api, tiny_model_dir, tmp_path):
