@@ -54,7 +54,7 @@ def make_samples(tokenizer, n: int, seed: int = 0) -> list[PreparedSample]:
 
 
 def forward_time(url: str) -> float:
-    return float(requests.get(f"{url}/server_info", timeout=10).json()["forward_time_s"])
+    return float(requests.get(f"{url}/server_info", timeout=10).json()["scheduler"]["forward_time_s"])
 
 
 def run_core(server, samples, layer_ids, hidden, in_flight) -> list:
@@ -79,6 +79,7 @@ def run_naive(server, samples, layer_ids, hidden, in_flight) -> list:
         deadline = time.monotonic() + 10
         files: list[Path] = []
         while not files and time.monotonic() < deadline:
+            time.sleep(0.001)  # a bare spin would take a core from the server on a 2-core machine
             files = [p for p in dump_dir.iterdir() if p.name.endswith(".safetensors") and not p.name.startswith(".")]
         newest = max(files, key=lambda p: p.stat().st_mtime_ns)
         t = load_file(newest)

@@ -369,6 +369,7 @@ class Scheduler:
         self._stopping = False
         self.steps = 0
         self.peak_running = 0
+        self.forward_time_s = 0.0  # time spent in forward steps: the benchmark's pipeline efficiency
         self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
 
     def start(self) -> None:
@@ -391,7 +392,7 @@ class Scheduler:
     def load(self) -> dict:
         with self._cond:
             return {"running": len(self._running), "waiting": len(self._waiting), "steps": self.steps,
-                    "peak_running": self.peak_running}
+                    "peak_running": self.peak_running, "forward_time_s": self.forward_time_s}
 
     def flush_cache(self) -> None:
         with self._cond:
@@ -433,6 +434,7 @@ class Scheduler:
                     return
                 self._admit()
                 plan = plan_step(self._running, self.prefill_budget, self.mixed)
+            started = time.perf_counter()
             try:
                 self._step(plan)
             except Exception as exc:  # answered as HTTP 500 to the step's requests; the server goes on
@@ -443,6 +445,7 @@ class Scheduler:
                             self._fail(req, 500, f"rid {req.rid!r}: forward failed: {type(exc).__name__}: {exc}")
             with self._cond:
                 self.steps += 1
+                self.forward_time_s += time.perf_counter() - started
                 for req, _ in plan:
                     if req.done.is_set():
                         self._running.remove(req)
