@@ -31,6 +31,7 @@ from infra.server import ServerConfig, start_server
 from infra.tiny_model import build_tiny_model
 from patches.dumps import DumpReader
 from tasks.dataset_version import extraction_config, read_model_facts, version_dir
+from tasks.exports import check_exports
 from tasks.prompts import template_hash, write_rejects
 from tasks.retrieval import ExpectedDump, RetrievalSettings, SampleError, SampleFailure
 from tasks.steps import consolidate_step, extract_batch_step, prepare_step, retry_sample_step
@@ -99,6 +100,14 @@ def extract(params: ExtractParameters = ExtractParameters()) -> dict:
     (vdir / "shards").mkdir(parents=True, exist_ok=True)
     log.info("dataset version %s in %s", config.fingerprint(), vdir)
 
+    info = DatasetInfo(model=facts.name, layer_ids=list(config.layer_ids), layer_convention=config.layer_convention,
+                       final_norm=config.final_norm, dtype=config.dtype, hidden_size=facts.hidden_size,
+                       num_layers=facts.num_layers, template_hash=config.template_hash,
+                       max_length=config.max_length, project_version=PROJECT_VERSION,
+                       fingerprint=config.fingerprint())
+    # An export that cannot be made from this data must fail now, not after hours of extraction.
+    check_exports(params.exports, info)
+
     prepared = prepare_step(Path(params.prompts), tokenizer, params.max_length, params.on_overlong)
     write_rejects(vdir / "rejects.jsonl", prepared.rejected)
     done = {row["sample_key"] for shard in sorted((vdir / "shards").glob("*.safetensors"))
@@ -121,11 +130,6 @@ def extract(params: ExtractParameters = ExtractParameters()) -> dict:
 
     failed_keys = {f.sample_key for f in failures}
     keep = {s.sample_key for s in prepared.samples if s.sample_key not in failed_keys}
-    info = DatasetInfo(model=facts.name, layer_ids=list(config.layer_ids), layer_convention=config.layer_convention,
-                       final_norm=config.final_norm, dtype=config.dtype, hidden_size=facts.hidden_size,
-                       num_layers=facts.num_layers, template_hash=config.template_hash,
-                       max_length=config.max_length, project_version=PROJECT_VERSION,
-                       fingerprint=config.fingerprint())
     consolidated = consolidate_step(vdir, info, keep, list(params.exports))
 
     summary = {

@@ -6,8 +6,10 @@ import json
 from pathlib import Path
 
 import polars as pl
+import pytest
 
 from flows.extract import ExtractParameters, extract
+from tasks.exports import ExportUnsupported
 
 
 def write_jsonl(path: Path, rows: list) -> Path:
@@ -47,3 +49,12 @@ def test_rerun_writes_nothing_new_and_new_layers_make_a_new_version(prefect_api,
     assert other["version"] != first["version"] and other["written_this_run"] == 13
     assert json.loads((Path(other["version_dir"]) / "dataset.json").read_text())["layer_ids"] == [1, 3, 6]
     assert pl.read_parquet(Path(first["version_dir"]) / "manifest.parquet").height == 13
+
+
+def test_an_export_that_cannot_be_made_fails_before_the_server_starts(prefect_api, tiny_model_dir, tmp_path):
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", conversations(2))
+    out = tmp_path / "out"
+    with pytest.raises(ExportUnsupported, match="speculators"):
+        extract(ExtractParameters(prompts=str(prompts), model_path=str(tiny_model_dir), out=str(out),
+                                  exports=["specforge", "speculators"]))
+    assert not (out / "dumps").exists() and not list(out.glob("versions/*/runs/*-server.log"))
