@@ -24,7 +24,8 @@ health checks, decode steps as ``forward_mode="decode"``), ignoring the rid pref
 Decoding is greedy whatever ``sampling_params`` say; it stops at ``max_new_tokens``
 or at an end-of-sequence token (unless ``ignore_eos``). SIGTERM stops accepting
 requests, lets running ones finish (refusing what is left after a grace period),
-drains the dump writer and exits 0.
+drains the dump writer and exits 0. It does the same when the process that started it
+dies (it is reparented), so a killed flow does not leave an orphan server holding a port.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import copy
 import inspect
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -729,8 +731,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                  args.dump_dir, time.monotonic() - t0)
 
     threading.Thread(target=warm_up, name="warmup", daemon=True).start()
+    parent = os.getppid()
     while not stop.wait(0.5):
-        pass
+        if os.getppid() != parent:
+            log.warning("the process that started this server (pid %d) is gone; stopping", parent)
+            break
     log.info("stopping: no new requests; draining running requests and the dump writer")
     app.shutdown()
     deadline = time.monotonic() + 10

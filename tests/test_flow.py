@@ -1,15 +1,27 @@
-"""The extraction flow on the local server: resume by content, versions by configuration."""
+"""The extraction flow on the local server: verified tensors under an awkward server, resume by content,
+versions by configuration, failures named and counted."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 
 import polars as pl
 import pytest
+import requests
+from transformers import AutoTokenizer
 
-from flows.extract import ExtractParameters, extract
+from flows.extract import REPO, ExtractParameters, ServerOptions, extract
+from infra.server import free_port
 from tasks.exports import ExportUnsupported
+from tasks.training_set import TrainingSetDataset
+from tests.ground_truth import load_reference_model, reference_hidden_states
 
 
 def write_jsonl(path: Path, rows: list) -> Path:
@@ -58,3 +70,151 @@ def test_an_export_that_cannot_be_made_fails_before_the_server_starts(prefect_ap
         extract(ExtractParameters(prompts=str(prompts), model_path=str(tiny_model_dir), out=str(out),
                                   exports=["specforge", "speculators"]))
     assert not (out / "dumps").exists() and not list(out.glob("versions/*/runs/*-server.log"))
+
+
+def independent_loss_mask(tokenizer, messages: list[dict], input_ids: list[int]) -> list[int]:
+    """Mask by rendering growing prefixes of the conversation and diffing their token counts.
+
+    Tokens added by an assistant message, minus its header, are supervised: its content
+    and the end-of-turn token. Valid for the tiny model's template, whose special tokens
+    never merge with neighbouring text.
+    """
+    mask: list[int] = []
+    header_len = len(tokenizer.encode("<|start_header_id|>assistant<|end_header_id|>\n\n", add_special_tokens=False))
+    prev = 0
+    for i, msg in enumerate(messages):
+        n = len(tokenizer.apply_chat_template(messages[: i + 1], tokenize=True, return_dict=False))
+        added = n - prev
+        if msg["role"] == "assistant":
+            mask += [0] * header_len + [1] * (added - header_len)
+        else:
+            mask += [0] * added
+        prev = n
+    return mask[: len(input_ids)]
+
+
+
+@pytest.fixture
+def foreign_traffic():
+    """Other clients of the same server, as in production: a load balancer's health checks
+    (real forwards) and two clients asking for the flow's own prompts without extra_key,
+    so the prefix cache holds exactly those prompts while the flow runs."""
+    target: dict = {"port": None, "prompts": [], "served": 0}
+    stop = threading.Event()
+
+    def health():
+        while not stop.wait(0.02):
+            if target["port"]:
+                for route in ("/health", "/health_generate"):
+                    try:
+                        requests.get(f"http://127.0.0.1:{target['port']}{route}", timeout=20)
+                    except requests.ConnectionError:
+                        pass  # the server is not up yet, or already stopped
+
+    def client(offset: int):
+        n = offset
+        while not stop.wait(0.01):
+            if target["port"] and target["prompts"]:
+                ids = target["prompts"][n % len(target["prompts"])]
+                try:
+                    r = requests.post(f"http://127.0.0.1:{target['port']}/generate", timeout=60,
+                                      json={"input_ids": ids, "sampling_params": {"max_new_tokens": 2}})
+                except requests.ConnectionError:
+                    continue  # the server is not up yet, or already stopped
+                target["served"] += r.status_code == 200
+                n += 1
+
+    threads = [threading.Thread(target=f, args=a, daemon=True) for f, a in ((health, ()), (client, (0,)), (client, (5,)))]
+    for t in threads:
+        t.start()
+    yield target
+    stop.set()
+    for t in threads:
+        t.join(60)
+
+
+def test_flow_writes_verified_samples_under_awkward_server(prefect_api, tiny_model_dir, tmp_path, foreign_traffic):
+    rows = conversations(40)
+    rows.append(dict(rows[5], id="same-content-as-c5"))          # a duplicate under another id
+    rows.append({"id": "no-assistant", "messages": [{"role": "user", "content": "hello?"}]})
+    rows.append("{not json")                                     # a malformed line
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", rows)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    foreign_traffic["prompts"] = [tokenizer.apply_chat_template(r["messages"], tokenize=True, return_dict=False)
+                                  for r in rows[:10]]
+    port = free_port()
+    foreign_traffic["port"] = port
+    params = ExtractParameters(
+        prompts=str(prompts), model_path=str(tiny_model_dir), out=str(tmp_path / "out"), batch_size=12,
+        max_in_flight=8, concurrent_batches=2, exports=["specforge"],
+        server=ServerOptions(chunked_prefill_size=24, port=port, extra_args=["--dump-every-forward"]))
+    summary = extract(params)
+    assert foreign_traffic["served"] >= 3, "the other client's requests never reached the server"
+
+    assert summary["rows_in"] == 43
+    assert (summary["written"], summary["duplicates"], summary["rejected"], summary["failed"]) == (40, 1, 2, 0)
+    vdir = Path(summary["version_dir"])
+    manifest = pl.read_parquet(vdir / "manifest.parquet")
+    assert manifest.height == 40 and manifest["sample_key"].n_unique() == 40
+    rejects = [json.loads(line) for line in (vdir / "rejects.jsonl").read_text().splitlines()]
+    assert {r["line"] for r in rejects} == {42, 43}
+
+    model = load_reference_model(str(tiny_model_dir))
+    layer_ids = json.loads((vdir / "dataset.json").read_text())["layer_ids"]
+    by_id = {r["id"]: r for r in rows if isinstance(r, dict)}
+    dataset = TrainingSetDataset(vdir)
+    assert len(dataset) == 40
+    for i in range(len(dataset)):
+        sample = dataset[i]
+        source_id = manifest["source_id"][i]
+        ids = sample["input_ids"].tolist()
+        assert ids == tokenizer.apply_chat_template(by_id[source_id]["messages"], tokenize=True, return_dict=False)
+        aux, final = reference_hidden_states(model, ids, layer_ids)
+        assert (sample["aux_hidden_states"] - aux).abs().max() <= 1e-4, source_id
+        assert (sample["hidden_states"] - final).abs().max() <= 1e-4, source_id
+        assert sample["loss_mask"].tolist() == independent_loss_mask(tokenizer, by_id[source_id]["messages"], ids)
+
+
+def test_killed_run_resumes_without_duplicates(prefect_api, tiny_model_dir, tmp_path):
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", conversations(30))
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "flows.extract", "--prompts", str(prompts), "--model-path", str(tiny_model_dir),
+           "--out", str(out), "--batch-size", "3", "--max-in-flight", "1", "--concurrent-batches", "1"]
+    env = {**os.environ, "PREFECT_API_URL": os.environ["PREFECT_API_URL"]}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.monotonic() + 240
+    shards = []
+    while time.monotonic() < deadline and len(shards) < 2:
+        shards = list(out.glob("versions/*/shards/*.safetensors"))
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert 2 <= len(shards), "the first run wrote no shard before the deadline"
+    # The killed flow's server (its own session, so the kill did not reach it) must notice and exit.
+    server_log = next(out.glob("versions/*/runs/*-server.log"))
+    deadline = time.monotonic() + 60
+    while "stopped" not in server_log.read_text().splitlines()[-1] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert "is gone; stopping" in server_log.read_text(), server_log.read_text()[-2000:]
+    assert server_log.read_text().splitlines()[-1].endswith("stopped")
+
+    summary = extract(ExtractParameters(prompts=str(prompts), model_path=str(tiny_model_dir), out=str(out),
+                                        batch_size=3))
+    assert summary["already_present"] >= 6 and summary["written_this_run"] == 30 - summary["already_present"]
+    manifest = pl.read_parquet(Path(summary["version_dir"]) / "manifest.parquet")
+    assert manifest.height == 30 and manifest["sample_key"].n_unique() == 30
+    assert not list(out.glob("versions/*/shards/.*")), "a temporary shard file was left visible"
+
+
+def test_a_sample_the_server_refuses_fails_alone_and_is_named(prefect_api, tiny_model_dir, tmp_path):
+    long_rows = conversations(6)
+    long_rows[2] = {"id": "too-long-for-server", "messages": [
+        {"role": "user", "content": "tell me a story " * 400}, {"role": "assistant", "content": "no."}]}
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", long_rows)
+    summary = extract(ExtractParameters(prompts=str(prompts), model_path=str(tiny_model_dir), out=str(tmp_path / "o"),
+                                        max_length=4000, server=ServerOptions(extra_args=["--context-length", "512"])))
+    assert (summary["written"], summary["failed"]) == (5, 1)
+    run = json.loads(next(Path(summary["version_dir"], "runs").glob("*[0-9a-f].json")).read_text())
+    assert [f["source_id"] for f in run["failed"]] == ["too-long-for-server"]
+    assert run["failed"][0]["error"] == "ServerRejected" and run["failed"][0]["attempts"] == 1
