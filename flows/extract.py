@@ -22,6 +22,7 @@ from prefect import flow, get_client, get_run_logger
 from prefect.artifacts import create_table_artifact
 from prefect.futures import wait
 from prefect.task_runners import ThreadPoolTaskRunner
+from prefect.tasks import exponential_backoff
 from prefect.utilities.annotations import quote
 from pydantic import BaseModel, Field, SecretStr
 from tqdm import tqdm
@@ -68,6 +69,8 @@ class ExtractParameters(BaseModel):
     concurrent_batches: int = Field(2, title="Batch tasks at once", ge=1, le=64)
     attempts: int = Field(3, title="Attempts per sample inside its batch", ge=1, le=20)
     sample_retries: int = Field(2, title="Prefect retries of a sample its batch could not extract", ge=0, le=20)
+    backoff_s: float = Field(0.5, title="Seconds before the first retry", ge=0, le=600,
+                             description="Doubles with each retry, inside a batch and in a sample's own task.")
     max_length: int = Field(2048, title="Max tokens per sample", ge=2)
     on_overlong: Literal["truncate", "skip"] = Field("truncate", title="Overlong samples")
     aux_layers: list[int] | None = Field(None, title="Aux layers (HF hidden_states indices)",
@@ -178,7 +181,8 @@ def run_extraction(params: ExtractParameters, model_path: Path, out: Path, vdir:
     try:
         settings = RetrievalSettings(url=server.url, rid_prefix=RID_PREFIX,
                                      expected=ExpectedDump(tuple(layer_ids), hidden_size, params.dtype),
-                                     headers=tuple(server.headers().items()), attempts=params.attempts)
+                                     headers=tuple(server.headers().items()), attempts=params.attempts,
+                                     backoff_s=params.backoff_s)
         started = time.monotonic()
         batches = [todo[i:i + params.batch_size] for i in range(0, len(todo), params.batch_size)]
         in_flight = threading.Semaphore(params.max_in_flight)
@@ -196,7 +200,8 @@ def run_extraction(params: ExtractParameters, model_path: Path, out: Path, vdir:
         failures: list[SampleFailure] = []
         if stragglers:
             by_key = {s.sample_key: s for s in todo}
-            retry = retry_sample_step.with_options(retries=params.sample_retries)
+            retry = retry_sample_step.with_options(retries=params.sample_retries,
+                                                   retry_delay_seconds=exponential_backoff(params.backoff_s))
             pending = [(f, retry.submit(quote(by_key[f.sample_key]), f, settings, dump_dir,
                                         vdir / "shards" / f"shard-{run_id}-retry-{n:05d}.safetensors"))
                        for n, f in enumerate(stragglers)]
@@ -237,6 +242,7 @@ def parse_args(argv: list[str] | None = None) -> ExtractParameters:
     p.add_argument("--concurrent-batches", type=int, default=d.concurrent_batches)
     p.add_argument("--attempts", type=int, default=d.attempts)
     p.add_argument("--sample-retries", type=int, default=d.sample_retries)
+    p.add_argument("--backoff-s", type=float, default=d.backoff_s)
     p.add_argument("--max-length", type=int, default=d.max_length)
     p.add_argument("--on-overlong", choices=["truncate", "skip"], default=d.on_overlong)
     p.add_argument("--aux-layers", type=int, nargs=3, default=None, metavar="ID")
@@ -253,7 +259,8 @@ def parse_args(argv: list[str] | None = None) -> ExtractParameters:
     return ExtractParameters(prompts=a.prompts, model_path=a.model_path, out=a.out, server=server,
                              batch_size=a.batch_size, max_in_flight=a.max_in_flight,
                              concurrent_batches=a.concurrent_batches, attempts=a.attempts,
-                             sample_retries=a.sample_retries, max_length=a.max_length, on_overlong=a.on_overlong,
+                             sample_retries=a.sample_retries, backoff_s=a.backoff_s, max_length=a.max_length,
+                             on_overlong=a.on_overlong,
                              aux_layers=a.aux_layers, dtype=a.dtype, exports=a.exports)
 
 

@@ -14,7 +14,6 @@ import requests
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import task_run as current_task_run
-from prefect.tasks import exponential_backoff
 
 from patches.dumps import DumpReader
 from tasks.prompts import PreparedPrompts, PreparedSample, prepare_prompts
@@ -53,9 +52,9 @@ def _retry_if_retryable(task, task_run, state) -> bool:
     return isinstance(exc, SampleError) and exc.retryable
 
 
-@task(name="retry-sample", task_run_name="sample-{sample.source_id}", cache_policy=NO_CACHE, retries=2,
-      retry_delay_seconds=exponential_backoff(backoff_factor=2), retry_jitter_factor=0.5,
-      retry_condition_fn=_retry_if_retryable)
+# Retries and their delays are the flow's parameters (``with_options``); only retryable errors retry.
+@task(name="retry-sample", task_run_name="sample-{sample.source_id}", cache_policy=NO_CACHE,
+      retry_jitter_factor=0.5, retry_condition_fn=_retry_if_retryable)
 def retry_sample_step(sample: PreparedSample, failure: SampleFailure, settings: RetrievalSettings, dump_dir: Path,
                       shard_path: Path) -> ShardSummary:
     """A sample its batch could not extract, as its own graph node: one attempt per Prefect try.

@@ -17,6 +17,9 @@ import pytest
 import requests
 from transformers import AutoTokenizer
 
+from prefect import get_client
+from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterName
+
 from flows.extract import REPO, ExtractParameters, ServerOptions, extract
 from infra.server import free_port
 from tasks.exports import ExportUnsupported
@@ -207,6 +210,27 @@ def test_killed_run_resumes_without_duplicates(prefect_api, tiny_model_dir, tmp_
     assert not list(out.glob("versions/*/shards/.*")), "a temporary shard file was left visible"
 
 
+def test_ctrl_c_stops_the_server_and_leaves_no_partial_shard(prefect_api, tiny_model_dir, tmp_path):
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", conversations(30))
+    out = tmp_path / "out"
+    flow_log = tmp_path / "flow.log"
+    with open(flow_log, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "flows.extract", "--prompts", str(prompts), "--model-path",
+                                 str(tiny_model_dir), "--out", str(out), "--batch-size", "3", "--max-in-flight", "1",
+                                 "--concurrent-batches", "1"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and not list(out.glob("versions/*/shards/*.safetensors")):
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends to the flow, not to the server
+    assert proc.wait(timeout=120) != 0
+    server_log = next(out.glob("versions/*/runs/*-server.log")).read_text()
+    assert server_log.splitlines()[-1].endswith("stopped"), server_log[-2000:]
+    assert "is gone" not in server_log, "the flow did not stop its server; the server's watchdog did"
+    assert "server stopped (exit code 0)" in flow_log.read_text()
+    assert not list(out.glob("versions/*/shards/.*")), "a temporary shard file was left visible"
+
+
 def test_a_sample_the_server_refuses_fails_alone_and_is_named(prefect_api, tiny_model_dir, tmp_path):
     long_rows = conversations(6)
     long_rows[2] = {"id": "too-long-for-server", "messages": [
@@ -218,3 +242,34 @@ def test_a_sample_the_server_refuses_fails_alone_and_is_named(prefect_api, tiny_
     run = json.loads(next(Path(summary["version_dir"], "runs").glob("*[0-9a-f].json")).read_text())
     assert [f["source_id"] for f in run["failed"]] == ["too-long-for-server"]
     assert run["failed"][0]["error"] == "ServerRejected" and run["failed"][0]["attempts"] == 1
+    node = sample_task_run("too-long-for-server")
+    assert node.state.is_failed() and node.run_count == 1, "bad input was retried"
+
+
+def sample_task_run(source_id: str):
+    """The flow-run graph's node for a failed sample, as the Prefect UI shows it."""
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(task_run_filter=TaskRunFilter(name=TaskRunFilterName(any_=[f"sample-{source_id}"])))
+    assert len(runs) == 1, f"expected one task run named sample-{source_id}, found {len(runs)}"
+    return runs[0]
+
+
+def test_a_sample_whose_dump_keeps_failing_is_retried_in_its_own_task(prefect_api, tiny_model_dir, tmp_path):
+    # The server's dump folder cap (1 MB) is below this sample's dump (~1.6 MB) and above
+    # any other sample's: every attempt gets the writer's error marker instead of a dump.
+    rows = conversations(6)
+    rows[3] = {"id": "dump-too-big", "messages": [
+        {"role": "user", "content": "tell me a story " * 400}, {"role": "assistant", "content": "no."}]}
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", rows)
+    summary = extract(ExtractParameters(
+        prompts=str(prompts), model_path=str(tiny_model_dir), out=str(tmp_path / "o"), max_length=4000,
+        max_in_flight=1, concurrent_batches=1, attempts=2, sample_retries=2, backoff_s=0.05,
+        server=ServerOptions(extra_args=["--dump-max-bytes", "1000000"])))
+    assert (summary["written"], summary["failed"], summary["rows_in"]) == (5, 1, 6)
+    run = json.loads(next(Path(summary["version_dir"], "runs").glob("*[0-9a-f].json")).read_text())
+    (failure,) = run["failed"]
+    assert failure["source_id"] == "dump-too-big" and failure["error"] == "DumpUnusable"
+    assert "cap" in failure["reason"] and failure["attempts"] == 2 + 3
+    node = sample_task_run("dump-too-big")
+    assert node.state.is_failed() and node.run_count == 3
+    assert not list((tmp_path / "o" / "dumps").iterdir()), "a failed attempt left files in the dump folder"
