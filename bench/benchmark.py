@@ -72,7 +72,7 @@ def run_naive(server, samples, layer_ids, hidden, in_flight) -> list:
     out = []
     for s in samples:
         for p in dump_dir.iterdir():
-            p.unlink()
+            p.unlink(missing_ok=True)  # the writer may rename its temp file meanwhile
         r = requests.post(f"{server.url}/generate", json={"input_ids": s.input_ids,
                           "rid": f"{RID_PREFIX}{s.sample_key}", "sampling_params": {"max_new_tokens": 1}}, timeout=60)
         r.raise_for_status()

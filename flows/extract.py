@@ -18,7 +18,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Literal
 
-from prefect import flow, get_client, get_run_logger
+from prefect import flow, get_run_logger
 from prefect.artifacts import create_table_artifact
 from prefect.futures import wait
 from prefect.task_runners import ThreadPoolTaskRunner
@@ -206,17 +206,17 @@ def run_extraction(params: ExtractParameters, model_path: Path, out: Path, vdir:
                                         vdir / "shards" / f"shard-{run_id}-retry-{n:05d}.safetensors"))
                        for n, f in enumerate(stragglers)]
             wait([p for _, p in pending])
-            client = get_client(sync_client=True)
             for first, future in pending:
                 if future.state.is_completed():
                     tokens += future.result().tokens
-                    continue
-                exc = future.state.result(raise_on_failure=False)
-                retried = client.read_task_run(future.task_run_id).run_count if first.retryable else 0
-                failures.append(SampleFailure(first.sample_key, first.source_id,
-                                              exc.reason if isinstance(exc, SampleError) else str(exc),
-                                              first.error if not first.retryable else type(exc).__name__,
-                                              first.retryable, first.attempts + retried))
+                elif not first.retryable:
+                    failures.append(first)  # its node failed at once; nothing was sent again
+                else:
+                    exc = future.state.result(raise_on_failure=False)
+                    if not isinstance(exc, SampleError):
+                        raise exc  # not the sample's fault (a shard that cannot be written...): fail loudly
+                    failures.append(SampleFailure(first.sample_key, first.source_id, exc.reason,
+                                                  type(exc).__name__, exc.retryable, exc.attempt))
         return tokens, failures, time.monotonic() - started
     finally:
         code = server.stop()

@@ -45,6 +45,7 @@ import re
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -166,8 +167,13 @@ class DumpWriter:
 
     The model's forward hands host tensors (or pinned tensors plus a CUDA event) to
     ``submit``; the thread serialises, writes and renames. Failures become error
-    markers and log lines, never exceptions in the caller.
+    markers and log lines, never exceptions in the caller. Once a rid has failed, its
+    later pieces are dropped: the client gives up on the marker and deletes the rid's
+    files, and a piece written after that would be left behind for nobody.
     """
+
+    #: failed rids remembered (oldest forgotten first); far more than requests in flight
+    failed_rids_kept = 4096
 
     def __init__(self, settings: DumpSettings):
         self.settings = settings
@@ -176,6 +182,7 @@ class DumpWriter:
         self._queue: queue.Queue[_Piece | None] = queue.Queue(maxsize=settings.queue_pieces)
         self._lock = threading.Lock()
         self._pending_bytes = 0
+        self._failed_rids: OrderedDict[str, None] = OrderedDict()
         self.written = 0
         self.refused = 0
         self.last_error: str | None = None
@@ -200,6 +207,8 @@ class DumpWriter:
     ) -> bool:
         """Queue one piece. Returns False (and leaves an error marker) if it was refused."""
         nbytes = sum(t.numel() * t.element_size() for t in (input_ids, aux_hidden_states, final_hidden_states))
+        if self._drop_if_failed(rid):
+            return False
         with self._lock:
             over_budget = self._pending_bytes + nbytes > self.settings.max_pending_bytes
             if not over_budget:
@@ -243,7 +252,8 @@ class DumpWriter:
             if piece is None:
                 return
             try:
-                self._write(piece)
+                if not self._drop_if_failed(piece.rid):  # it failed after this piece was queued
+                    self._write(piece)
             except Exception as exc:  # reported as a marker: the server must keep serving
                 self._refuse(piece.rid, f"{type(exc).__name__}: {exc}")
             finally:
@@ -276,10 +286,20 @@ class DumpWriter:
         with self._lock:
             self.written += 1
 
+    def _drop_if_failed(self, rid: str) -> bool:
+        with self._lock:
+            if rid not in self._failed_rids:
+                return False
+            self.refused += 1
+        return True
+
     def _refuse(self, rid: str, reason: str) -> None:
         with self._lock:
             self.refused += 1
             self.last_error = f"rid {rid!r}: {reason}"
+            self._failed_rids[rid] = None
+            if len(self._failed_rids) > self.failed_rids_kept:
+                self._failed_rids.popitem(last=False)
         log.error("dump writer: cannot write rid %r to %s: %s", rid, self.dump_dir, reason)
         marker = json.dumps({"rid": rid, "reason": reason, "time": time.time()}).encode()
         try:
@@ -381,7 +401,7 @@ class DumpReader:
             infos.append(info)
         return infos
 
-    def wait(self, rid: str, prompt_len: int, timeout: float, poll: float = 0.005) -> list[PieceInfo]:
+    def wait(self, rid: str, prompt_len: int, timeout: float, poll: float = 0.0005) -> list[PieceInfo]:
         """Wait until the piece that ends the prompt is visible (or an error marker); return all pieces.
 
         Raises DumpWriteFailed on a marker, DumpMissing when nothing usable appeared in time.
@@ -398,8 +418,10 @@ class DumpReader:
                 seen = ", ".join(f"[{p.chunk_start},{p.chunk_end})" for p in infos) or "none"
                 raise DumpMissing(rid, self.dump_dir,
                                   f"no piece ending at token {prompt_len} within {timeout:.1f}s (pieces seen: {seen})")
+            # The last piece usually lands within a millisecond of the answer: look again soon,
+            # then back off so that a slow writer does not cost a core in listings.
             time.sleep(poll)
-            poll = min(poll * 2, 0.1)
+            poll = min(poll * 2, 0.02)
 
     def assemble(self, rid: str, token_ids: Sequence[int], infos: list[PieceInfo] | None = None) -> AssembledDump:
         """Verify that the rid's pieces cover ``token_ids`` exactly once and stitch them together.

@@ -29,6 +29,8 @@ class SampleError(Exception):
     """One sample could not be extracted. ``retryable`` says whether another attempt can help."""
 
     retryable = True
+    #: the attempt (1-based, counted over the batch's and the sample task's tries) that raised it
+    attempt: int | None = None
 
     def __init__(self, sample_key: str, source_id: str, reason: str):
         self.sample_key, self.source_id, self.reason = sample_key, source_id, reason
@@ -149,18 +151,20 @@ def extract_one(settings: RetrievalSettings, reader: DumpReader, sample: Prepare
             raise DumpUnusable(sample.sample_key, sample.source_id,
                                f"server counted {meta.get('prompt_tokens')} prompt tokens, sent {len(sample.input_ids)}")
         return fetch_dump(settings, reader, sample, rid)
+    except SampleError as exc:
+        exc.attempt = attempt
+        raise
     finally:
         reader.delete(rid)
 
 
 def extract_with_retries(settings: RetrievalSettings, reader: DumpReader, sample: PreparedSample,
-                         session: requests.Session, first_attempt: int = 1) -> TrainingSample | SampleFailure:
+                         session: requests.Session) -> TrainingSample | SampleFailure:
     """Up to ``settings.attempts`` attempts with exponential backoff; permanent errors stop at once."""
     last: SampleError | None = None
     for i in range(settings.attempts):
-        attempt = first_attempt + i
         try:
-            return extract_one(settings, reader, sample, attempt, session)
+            return extract_one(settings, reader, sample, i + 1, session)
         except SampleError as exc:
             last = exc
             if not exc.retryable:
@@ -169,7 +173,7 @@ def extract_with_retries(settings: RetrievalSettings, reader: DumpReader, sample
                 time.sleep(settings.backoff_s * (2 ** i))
     assert last is not None
     return SampleFailure(sample.sample_key, sample.source_id, last.reason, type(last).__name__,
-                         last.retryable, attempt - first_attempt + 1)
+                         last.retryable, last.attempt)
 
 
 def extract_samples(settings: RetrievalSettings, reader: DumpReader, samples: Sequence[PreparedSample],

@@ -18,10 +18,6 @@ from infra.tiny_model import build_tiny_model
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
-# No network here or in CI: keep Prefect from phoning home.
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-
-
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """The tiny deterministic Llama (8 layers, hidden 64), built once per test session."""

@@ -72,6 +72,23 @@ def test_size_cap_leaves_a_marker_the_client_reads(tmp_path, tensors):
     assert writer.stats()["refused"] == 1
 
 
+def test_pieces_after_a_failure_are_dropped_not_left_for_nobody(tmp_path, tensors):
+    # The client gives up on the marker and deletes the rid's files while the server still
+    # has chunks of that request to dump: none of them may land after the delete.
+    ids, aux, final = tensors
+    writer = make_writer(tmp_path, max_dir_bytes=3000)
+    reader = DumpReader(tmp_path)
+    assert submit(writer, "eagle3-late", ids, 0, 30, aux=aux[:30], final=final[:30])  # over the cap
+    with pytest.raises(DumpWriteFailed, match="cap of 3000"):
+        reader.wait("eagle3-late", len(ids), timeout=10)
+    reader.delete("eagle3-late")
+    assert not submit(writer, "eagle3-late", ids, 30, 37, aux=aux[30:], final=final[30:])  # would fit
+    assert submit(writer, "eagle3-other", ids, 30, 37, aux=aux[30:], final=final[30:])
+    writer.close()
+    assert [p.name for p in tmp_path.iterdir()] == [p.name for p in reader.piece_paths("eagle3-other")]
+    assert writer.stats()["refused"] == 2
+
+
 def test_temporary_files_are_invisible_and_swept(tmp_path, tensors):
     ids, aux, final = tensors
     # What a writer killed mid-write leaves: a dot-prefixed partial file, never the final name.

@@ -178,33 +178,41 @@ def test_flow_writes_verified_samples_under_awkward_server(prefect_api, tiny_mod
         assert sample["loss_mask"].tolist() == independent_loss_mask(tokenizer, by_id[source_id]["messages"], ids)
 
 
+def start_flow_process(prompts: Path, model_dir: Path, out: Path, log_path: Path, shards: int) -> subprocess.Popen:
+    """The flow from a shell, small batches one at a time; returns once ``shards`` shards are written."""
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "flows.extract", "--prompts", str(prompts), "--model-path",
+                                 str(model_dir), "--out", str(out), "--batch-size", "3", "--max-in-flight", "1",
+                                 "--concurrent-batches", "1"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # its own group: the signals below reach only the flow
+    deadline = time.monotonic() + 240
+    while len(list(out.glob("versions/*/shards/*.safetensors"))) < shards:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"the flow wrote fewer than {shards} shards (exit {proc.returncode}):\n"
+                                 f"{log_path.read_text()[-3000:]}")
+        time.sleep(0.05)
+    return proc
+
+
 def test_killed_run_resumes_without_duplicates(prefect_api, tiny_model_dir, tmp_path):
     prompts = write_jsonl(tmp_path / "prompts.jsonl", conversations(30))
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "flows.extract", "--prompts", str(prompts), "--model-path", str(tiny_model_dir),
-           "--out", str(out), "--batch-size", "3", "--max-in-flight", "1", "--concurrent-batches", "1"]
-    env = {**os.environ, "PREFECT_API_URL": os.environ["PREFECT_API_URL"]}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    deadline = time.monotonic() + 240
-    shards = []
-    while time.monotonic() < deadline and len(shards) < 2:
-        shards = list(out.glob("versions/*/shards/*.safetensors"))
-        time.sleep(0.05)
+    proc = start_flow_process(prompts, tiny_model_dir, out, tmp_path / "flow.log", shards=2)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert 2 <= len(shards), "the first run wrote no shard before the deadline"
     # The killed flow's server (its own session, so the kill did not reach it) must notice and exit.
     server_log = next(out.glob("versions/*/runs/*-server.log"))
     deadline = time.monotonic() + 60
-    while "stopped" not in server_log.read_text().splitlines()[-1] and time.monotonic() < deadline:
+    while not server_log.read_text().rstrip().endswith("stopped") and time.monotonic() < deadline:
         time.sleep(0.2)
     assert "is gone; stopping" in server_log.read_text(), server_log.read_text()[-2000:]
-    assert server_log.read_text().splitlines()[-1].endswith("stopped")
+    assert server_log.read_text().rstrip().endswith("stopped")
 
     summary = extract(ExtractParameters(prompts=str(prompts), model_path=str(tiny_model_dir), out=str(out),
                                         batch_size=3))
-    assert summary["already_present"] >= 6 and summary["written_this_run"] == 30 - summary["already_present"]
+    assert 6 <= summary["already_present"] < 30, "the kill did not land midway"
+    assert summary["written_this_run"] == 30 - summary["already_present"]
     manifest = pl.read_parquet(Path(summary["version_dir"]) / "manifest.parquet")
     assert manifest.height == 30 and manifest["sample_key"].n_unique() == 30
     assert not list(out.glob("versions/*/shards/.*")), "a temporary shard file was left visible"
@@ -212,20 +220,12 @@ def test_killed_run_resumes_without_duplicates(prefect_api, tiny_model_dir, tmp_
 
 def test_ctrl_c_stops_the_server_and_leaves_no_partial_shard(prefect_api, tiny_model_dir, tmp_path):
     prompts = write_jsonl(tmp_path / "prompts.jsonl", conversations(30))
-    out = tmp_path / "out"
-    flow_log = tmp_path / "flow.log"
-    with open(flow_log, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "flows.extract", "--prompts", str(prompts), "--model-path",
-                                 str(tiny_model_dir), "--out", str(out), "--batch-size", "3", "--max-in-flight", "1",
-                                 "--concurrent-batches", "1"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and not list(out.glob("versions/*/shards/*.safetensors")):
-        time.sleep(0.05)
+    out, flow_log = tmp_path / "out", tmp_path / "flow.log"
+    proc = start_flow_process(prompts, tiny_model_dir, out, flow_log, shards=1)
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends to the flow, not to the server
     assert proc.wait(timeout=120) != 0
     server_log = next(out.glob("versions/*/runs/*-server.log")).read_text()
-    assert server_log.splitlines()[-1].endswith("stopped"), server_log[-2000:]
+    assert server_log.rstrip().endswith("stopped"), server_log[-2000:]
     assert "is gone" not in server_log, "the flow did not stop its server; the server's watchdog did"
     assert "server stopped (exit code 0)" in flow_log.read_text()
     assert not list(out.glob("versions/*/shards/.*")), "a temporary shard file was left visible"
@@ -247,11 +247,21 @@ def test_a_sample_the_server_refuses_fails_alone_and_is_named(prefect_api, tiny_
 
 
 def sample_task_run(source_id: str):
-    """The flow-run graph's node for a failed sample, as the Prefect UI shows it."""
+    """The flow-run graph's node for a failed sample, as the Prefect UI shows it.
+
+    Task-run states reach the API as events, recorded a moment after the flow returns:
+    wait for a final state rather than read a stale one.
+    """
+    name = f"sample-{source_id}"
+    deadline = time.monotonic() + 30
     with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(task_run_filter=TaskRunFilter(name=TaskRunFilterName(any_=[f"sample-{source_id}"])))
-    assert len(runs) == 1, f"expected one task run named sample-{source_id}, found {len(runs)}"
-    return runs[0]
+        while True:
+            runs = client.read_task_runs(task_run_filter=TaskRunFilter(name=TaskRunFilterName(any_=[name])))
+            if len(runs) == 1 and runs[0].state is not None and runs[0].state.is_final():
+                return runs[0]
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no final task run named {name}: {[(r.name, r.state) for r in runs]}")
+            time.sleep(0.2)
 
 
 def test_a_sample_whose_dump_keeps_failing_is_retried_in_its_own_task(prefect_api, tiny_model_dir, tmp_path):
