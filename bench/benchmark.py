@@ -39,14 +39,15 @@ WORDS = ("the model reads every token and the draft learns to guess the next one
          "the server batches requests and writes hidden states for each prefill chunk").split()
 
 
-def make_samples(tokenizer, n: int, seed: int = 0) -> list[PreparedSample]:
+def make_samples(tokenizer, n: int, seed: int = 0, max_words: int = 120) -> list[PreparedSample]:
+    """``n`` two-turn conversations; the assistant says 10 to ``max_words`` words."""
     rng = random.Random(seed)
     samples = []
     for i in range(n):
         def text(k):
             return " ".join(rng.choice(WORDS) for _ in range(k))
-        messages = [{"role": "user", "content": f"#{i} " + text(rng.randint(5, 60))},
-                    {"role": "assistant", "content": text(rng.randint(10, 120))}]
+        messages = [{"role": "user", "content": f"#{i} " + text(rng.randint(5, max_words // 2))},
+                    {"role": "assistant", "content": text(rng.randint(10, max_words))}]
         ids, mask = compute_loss_mask(tokenizer, messages)
         samples.append(PreparedSample(sample_key=f"bench{i:06d}", source_id=f"bench-{i}", line=i + 1,
                                       input_ids=ids, loss_mask=mask, truncated=False))
