@@ -147,6 +147,18 @@ class DumpSettings:
     max_dir_bytes: int | None = None
     queue_pieces: int = 1024
 
+    def to_json(self) -> dict:
+        """JSON-able, for settings that travel to server processes (the SGLang hook's config)."""
+        return {"dump_dir": str(self.dump_dir), "rid_prefix": self.rid_prefix, "model": self.model,
+                "layer_ids": list(self.layer_ids), "max_pending_bytes": self.max_pending_bytes,
+                "max_dir_bytes": self.max_dir_bytes, "queue_pieces": self.queue_pieces}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "DumpSettings":
+        return cls(Path(d["dump_dir"]), str(d["rid_prefix"]), str(d["model"]), tuple(int(i) for i in d["layer_ids"]),
+                   int(d["max_pending_bytes"]), None if d["max_dir_bytes"] is None else int(d["max_dir_bytes"]),
+                   int(d["queue_pieces"]))
+
 
 @dataclass
 class _Piece:

@@ -157,12 +157,14 @@ def plan_launch(rel: Release, dump_args: argparse.Namespace, server_argv: Sequen
     else:
         notes.append(f"SGLang {rel.version} turns its EAGLE-3 capture on only with a draft model: forward hooks on "
                      f"decoder layers {[i - 1 for i in layer_ids]} compute the same hidden_states + residual")
-    hook_config = HookConfig(dump_dir=str(dump_dir.resolve()), rid_prefix=dump_args.dump_rid_prefix,
-                             model=str(flags.model_path), layer_ids=layer_ids, aux_capture=rel.aux_capture,
-                             max_pending_bytes=dump_args.dump_max_pending_bytes, max_dir_bytes=dump_args.dump_max_bytes)
+    hook_config = HookConfig(DumpSettings(dump_dir=dump_dir.resolve(), rid_prefix=dump_args.dump_rid_prefix,
+                                          model=str(flags.model_path), layer_ids=layer_ids,
+                                          max_pending_bytes=dump_args.dump_max_pending_bytes,
+                                          max_dir_bytes=dump_args.dump_max_bytes),
+                             aux_capture=rel.aux_capture)
     hooks = (json.loads(flags.forward_hooks) if flags.forward_hooks else []) + forward_hook_specs(hook_config)
     argv += ["--forward-hooks", json.dumps(hooks)]
-    notes.append(f"added --forward-hooks: dumps of rids {dump_args.dump_rid_prefix!r}* to {hook_config.dump_dir}, "
+    notes.append(f"added --forward-hooks: dumps of rids {dump_args.dump_rid_prefix!r}* to {hook_config.dump.dump_dir}, "
                  f"aux layers {list(layer_ids)}" + (" (merged with the given hooks)" if flags.forward_hooks else ""))
 
     notes.append(f"tp {flags.tp_size}, dp {flags.dp_size}: attention-TP rank 0 of each DP rank writes its own requests")

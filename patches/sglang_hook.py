@@ -36,7 +36,6 @@ import importlib
 import logging
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
@@ -211,29 +210,15 @@ def _split_aux(aux, k: int, final: torch.Tensor) -> list[torch.Tensor] | str:
 class HookConfig:
     """The JSON-able settings every scheduler subprocess receives in its hook spec's config."""
 
-    dump_dir: str
-    rid_prefix: str
-    model: str
-    layer_ids: tuple[int, ...]
+    dump: DumpSettings
     aux_capture: AuxCapture
-    max_pending_bytes: int
-    max_dir_bytes: int | None
 
     def to_json(self) -> dict:
-        return {"dump_dir": self.dump_dir, "rid_prefix": self.rid_prefix, "model": self.model,
-                "layer_ids": list(self.layer_ids), "aux_capture": self.aux_capture,
-                "max_pending_bytes": self.max_pending_bytes, "max_dir_bytes": self.max_dir_bytes}
+        return {"dump": self.dump.to_json(), "aux_capture": self.aux_capture}
 
     @classmethod
     def from_json(cls, d: dict) -> "HookConfig":
-        return cls(str(d["dump_dir"]), str(d["rid_prefix"]), str(d["model"]), tuple(int(i) for i in d["layer_ids"]),
-                   d["aux_capture"], int(d["max_pending_bytes"]),
-                   None if d["max_dir_bytes"] is None else int(d["max_dir_bytes"]))
-
-    def dump_settings(self) -> DumpSettings:
-        return DumpSettings(dump_dir=Path(self.dump_dir), rid_prefix=self.rid_prefix, model=self.model,
-                            layer_ids=self.layer_ids, max_pending_bytes=self.max_pending_bytes,
-                            max_dir_bytes=self.max_dir_bytes)
+        return cls(DumpSettings.from_json(d["dump"]), d["aux_capture"])
 
 
 def forward_hook_specs(config: HookConfig) -> list[dict]:
@@ -242,7 +227,7 @@ def forward_hook_specs(config: HookConfig) -> list[dict]:
               "hook_factory": LOGITS_HOOK_FACTORY, "config": config.to_json()}]
     if config.aux_capture == "layer_hooks":
         # HF hidden_states[i] is the residual stream entering layer i = the output of layer i-1.
-        for layer_id in config.layer_ids:
+        for layer_id in config.dump.layer_ids:
             specs.append({"name": f"eagle3-aux-{layer_id}", "target_modules": [DECODER_LAYER_MODULE.format(layer_id - 1)],
                           "hook_factory": LAYER_HOOK_FACTORY, "config": {**config.to_json(), "layer_id": layer_id}})
     return specs
@@ -258,14 +243,14 @@ class _ProcessState:
         self.config = config
         parallel_state = importlib.import_module(PARALLEL_STATE)
         self.attn_tp_rank = int(parallel_state.get_attn_tensor_model_parallel_rank())
-        self.writer = DumpWriter(config.dump_settings()) if self.attn_tp_rank == 0 else None
+        self.writer = DumpWriter(config.dump) if self.attn_tp_rank == 0 else None
         self.hashes = _PromptHashCache()
         self.warned_unnoted = False
         if self.writer is not None:
             _wrap_init_new(self)
         log.info("eagle3 dump hook: attention-TP rank %d %s dumps of rids %r to %s (layers %s, aux %s)",
-                 self.attn_tp_rank, "writes" if self.writer else "does not write", config.rid_prefix,
-                 config.dump_dir, list(config.layer_ids), config.aux_capture)
+                 self.attn_tp_rank, "writes" if self.writer else "does not write", config.dump.rid_prefix,
+                 config.dump.dump_dir, list(config.dump.layer_ids), config.aux_capture)
 
     def prompts_of(self, reqs: Sequence[Any]) -> tuple[PromptInfo | None, ...]:
         return tuple(self.hashes.get(req) if self.writer.wants(req.rid) else None for req in reqs)
@@ -343,12 +328,12 @@ def make_logits_hook(config: dict) -> Callable | None:
             aux = args[4] if len(args) > 4 else None
         else:
             captured = forward_batch.__dict__.pop(AUX_ATTR, {})
-            aux = [captured[i] for i in hook_config.layer_ids] if len(captured) == len(hook_config.layer_ids) else None
+            aux = [captured[i] for i in hook_config.dump.layer_ids] if len(captured) == len(hook_config.dump.layer_ids) else None
         dump_extend_batch(
             writer, rids=forward_batch.rids, prompts=prompts,
             extend_seq_lens=forward_batch.extend_seq_lens_cpu, extend_prefix_lens=forward_batch.extend_prefix_lens_cpu,
             forward_mode=forward_batch.forward_mode.name, input_ids=input_ids, final_hidden_states=hidden_states,
-            aux_hidden_states=aux, num_aux_layers=len(hook_config.layer_ids))
+            aux_hidden_states=aux, num_aux_layers=len(hook_config.dump.layer_ids))
         return None
 
     return hook

@@ -138,7 +138,7 @@ def test_launch_on_0_5_23_uses_sglangs_capture_and_disables_the_prefill_graph(tm
     hooks = _hooks(plan)
     assert [h["target_modules"] for h in hooks] == [["logits_processor"]]
     assert HookConfig.from_json(hooks[0]["config"]) == plan.hook_config
-    assert plan.hook_config.layer_ids == (3, 10) and plan.hook_config.dump_dir == str(tmp_path.resolve())
+    assert plan.hook_config.dump.layer_ids == (3, 10) and plan.hook_config.dump.dump_dir == tmp_path.resolve()
     assert any("chunked-prefill-size 4096 is fine" in n for n in plan.notes)
 
 
@@ -200,4 +200,4 @@ def test_the_launcher_command_line_refuses_without_sglang(tmp_path, tiny_model_d
 def test_the_launcher_reads_the_local_models_config(tmp_path, tiny_model_dir):
     args = launch.dump_arg_parser().parse_args(["--dump-dir", str(tmp_path)])
     plan = launch.plan_launch(SUPPORTED_RELEASES["0.5.23"], args, ["--model-path", str(tiny_model_dir)])
-    assert plan.hook_config.layer_ids == tuple(default_aux_layer_ids(8))
+    assert plan.hook_config.dump.layer_ids == tuple(default_aux_layer_ids(8))
