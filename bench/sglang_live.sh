@@ -14,7 +14,7 @@ python3 -m infra.tiny_model "$MODEL" --hidden 256 > "$OUT/model.log" 2>&1 || { c
 export PYTHONPATH=$SITE HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 status=0
-for dtype in ${DTYPES:-float32 bfloat16}; do
+for dtype in ${DTYPES:-bfloat16}; do
     dumps=/root/dumps-$dtype
     mkdir -p "$dumps"
     # setsid: the server and its scheduler processes form one group, stopped together below.

@@ -308,6 +308,8 @@ class DumpWriter:
     def _refuse(self, rid: str, reason: str) -> None:
         with self._lock:
             self.refused += 1
+            if rid in self._failed_rids:
+                return  # one marker per rid: the client may have read and deleted it already
             self.last_error = f"rid {rid!r}: {reason}"
             self._failed_rids[rid] = None
             if len(self._failed_rids) > self.failed_rids_kept:

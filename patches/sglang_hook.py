@@ -18,7 +18,8 @@ What it attaches, per process:
   ``hidden_states + residual`` (the residual stream entering the tap layer);
 - a wrapper around ``ForwardBatch.init_new``, the one place where the ScheduleBatch's
   ``Req`` objects are at hand, that notes each wanted request's whole-prompt length and
-  hash on the ForwardBatch (the model side only sees the chunk's new tokens).
+  hash by rid (the model side only sees the chunk's new tokens, and a runner may hand
+  the model a copy of the ForwardBatch that keeps only its dataclass fields).
 
 Only EXTEND and MIXED forwards of rids with the dump prefix are dumped, on attention-TP
 rank 0 (each DP rank has its own scheduler and writes its own requests). Device-to-host
@@ -54,8 +55,7 @@ log = logging.getLogger(__name__)
 
 #: ForwardMode names whose rows are prefill rows (MIXED: plus decode rows riding along).
 DUMPED_FORWARD_MODES = ("EXTEND", "MIXED")
-#: Attributes this hook sets on a ForwardBatch (plain dataclass instances take them).
-PROMPTS_ATTR = "eagle3_dump_prompts"
+#: Where the layer hooks leave the aux states for the logits hook, on the forward's ForwardBatch.
 AUX_ATTR = "eagle3_dump_aux"
 
 LOGITS_HOOK_FACTORY = "patches.sglang_hook:make_logits_hook"
@@ -172,7 +172,7 @@ def dump_extend_batch(
     for i in wanted:
         rows, prompt = layout[i], prompts[i]
         if prompt is None:
-            writer.fail(rows.rid, "no prompt noted for it: ForwardBatch.init_new was not wrapped in this process")
+            writer.fail(rows.rid, "no prompt noted for it: ForwardBatch.init_new did not see it in this process")
             continue
         if not rows.is_prefill or rows.n == 0:
             continue
@@ -252,14 +252,36 @@ class _ProcessState:
                  self.attn_tp_rank, "writes" if self.writer else "does not write", config.dump.rid_prefix,
                  config.dump.dump_dir, list(config.dump.layer_ids), config.aux_capture)
 
-    def prompts_of(self, reqs: Sequence[Any]) -> tuple[PromptInfo | None, ...]:
-        return tuple(self.hashes.get(req) if self.writer.wants(req.rid) else None for req in reqs)
+    def note_prompts(self, reqs: Sequence[Any]) -> None:
+        for req in reqs:
+            if self.writer.wants(req.rid):
+                self.hashes.get(req)
+
+    def wanted_prompts(self, forward_batch) -> tuple[PromptInfo | None, ...] | None:
+        """Per request of a prefill forward with a wanted rid, its noted prompt; None for other forwards.
+
+        Looked up by rid, not carried on the ForwardBatch: the runners copy the batch
+        into static buffers (``EagerRunner.load_batch``) and the copy keeps only its fields.
+        """
+        if forward_batch.forward_mode.name not in DUMPED_FORWARD_MODES:
+            return None
+        rids = forward_batch.rids
+        if rids is None:
+            if not self.warned_unnoted:
+                self.warned_unnoted = True
+                log.error("eagle3 dump hook: an %s forward reached the model without rids (the prefill CUDA "
+                          "graph path?); its requests cannot be dumped. Launch with python -m patches.launch, "
+                          "which disables the prefill CUDA graph.", forward_batch.forward_mode.name)
+            return None
+        if not any(self.writer.wants(rid) for rid in rids):
+            return None
+        return tuple(self.hashes.peek(rid) if self.writer.wants(rid) else None for rid in rids)
 
 
 class _PromptHashCache:
     """Prompt hashes by rid, so a long prompt prefilled in many chunks is hashed once."""
 
-    def __init__(self, max_entries: int = 4096):
+    def __init__(self, max_entries: int = 1 << 16):
         self._entries: collections.OrderedDict[str, tuple[int, int, PromptInfo]] = collections.OrderedDict()
         self._max = max_entries
 
@@ -275,6 +297,10 @@ class _PromptHashCache:
         while len(self._entries) > self._max:
             self._entries.popitem(last=False)
         return info
+
+    def peek(self, rid: str) -> PromptInfo | None:
+        hit = self._entries.get(rid)
+        return None if hit is None else hit[2]
 
 
 _state_lock = threading.Lock()
@@ -292,7 +318,7 @@ def _process_state(config: HookConfig) -> _ProcessState:
 
 
 def _wrap_init_new(state: _ProcessState) -> None:
-    """Note each wanted request's prompt on the ForwardBatch built from its ScheduleBatch."""
+    """Note each wanted request's prompt, by rid, whenever a prefill ForwardBatch is built."""
     forward_batch_cls = importlib.import_module(FORWARD_BATCH_INFO).ForwardBatch
     original = forward_batch_cls.init_new
     if getattr(original, "__eagle3_dump_wrapped__", False):
@@ -301,9 +327,8 @@ def _wrap_init_new(state: _ProcessState) -> None:
 
     def init_new(cls, batch, model_runner, *args, **kwargs):
         forward_batch = original_func(cls, batch, model_runner, *args, **kwargs)
-        if forward_batch.forward_mode.name in DUMPED_FORWARD_MODES and any(
-                state.writer.wants(req.rid) for req in batch.reqs):
-            setattr(forward_batch, PROMPTS_ATTR, state.prompts_of(batch.reqs))
+        if forward_batch.forward_mode.name in DUMPED_FORWARD_MODES:
+            state.note_prompts(batch.reqs)
         return forward_batch
 
     init_new.__eagle3_dump_wrapped__ = True
@@ -320,14 +345,14 @@ def make_logits_hook(config: dict) -> Callable | None:
 
     def hook(module, args, output):
         input_ids, hidden_states, forward_batch = args[0], args[1], args[3]
-        prompts = getattr(forward_batch, PROMPTS_ATTR, None)
+        # Popped whatever the forward: a runner may hand the same static batch object to the next one.
+        captured = forward_batch.__dict__.pop(AUX_ATTR, {})
+        prompts = state.wanted_prompts(forward_batch)
         if prompts is None:
-            _check_unnoted(state, forward_batch)
             return None
         if builtin:
             aux = args[4] if len(args) > 4 else None
         else:
-            captured = forward_batch.__dict__.pop(AUX_ATTR, {})
             aux = [captured[i] for i in hook_config.dump.layer_ids] if len(captured) == len(hook_config.dump.layer_ids) else None
         dump_extend_batch(
             writer, rids=forward_batch.rids, prompts=prompts,
@@ -348,7 +373,7 @@ def make_aux_layer_hook(config: dict) -> Callable | None:
 
     def hook(module, args, output):
         forward_batch = args[2]
-        if getattr(forward_batch, PROMPTS_ATTR, None) is None:
+        if state.wanted_prompts(forward_batch) is None:
             return None  # not a batch with a wanted prefill: nothing to capture
         hidden_states, residual = output
         # The same expression SGLang's EAGLE-3 capture evaluates before layer `layer_id`
@@ -358,21 +383,3 @@ def make_aux_layer_hook(config: dict) -> Callable | None:
         return None
 
     return hook
-
-
-def _check_unnoted(state: _ProcessState, forward_batch) -> None:
-    """An EXTEND forward that init_new did not note: fail its wanted rids, if it still has rids."""
-    if forward_batch.forward_mode.name not in DUMPED_FORWARD_MODES:
-        return
-    rids = forward_batch.rids
-    if rids is None:
-        if not state.warned_unnoted:
-            state.warned_unnoted = True
-            log.error("eagle3 dump hook: an %s forward reached the logits processor without rids "
-                      "(the prefill CUDA graph path?); its requests cannot be dumped. Launch with "
-                      "python -m patches.launch, which disables the prefill CUDA graph.",
-                      forward_batch.forward_mode.name)
-        return
-    for rid in rids:
-        if state.writer.wants(rid):
-            state.writer.fail(rid, "its forward batch was not built by ForwardBatch.init_new, so its prompt is unknown")

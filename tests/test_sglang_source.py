@@ -196,7 +196,7 @@ def test_the_hooks_attribute_reads_are_all_listed_symbols():
     """The list in sglang_releases.py is what the hook uses: a new read must be listed (and so checked)."""
     tree = ast.parse(Path(sglang_hook.__file__).read_text())
     listed = {sym.name for sym in SYMBOLS}
-    own = {"__dict__"}  # the hook's own notes go through __dict__ / setattr with PROMPTS_ATTR, AUX_ATTR
+    own = {"__dict__"}  # the aux states go through __dict__ with AUX_ATTR
     for var, cls in (("forward_batch", "ForwardBatch"), ("req", "Req"), ("batch", "ScheduleBatch")):
         reads = _attribute_reads(tree, var) - own
         assert reads, f"the hook reads nothing from {var}: the scan is broken"
