@@ -201,3 +201,69 @@ def test_the_launcher_reads_the_local_models_config(tmp_path, tiny_model_dir):
     args = launch.dump_arg_parser().parse_args(["--dump-dir", str(tmp_path)])
     plan = launch.plan_launch(SUPPORTED_RELEASES["0.5.23"], args, ["--model-path", str(tiny_model_dir)])
     assert plan.hook_config.dump.layer_ids == tuple(default_aux_layer_ids(8))
+
+
+def test_the_in_server_hooks_dump_through_a_runners_copy_of_the_forward_batch(tmp_path, truth, monkeypatch):
+    """The factories' path, from ForwardBatch.init_new to the logits hook, on 0.5.17's layer hooks.
+
+    SGLang cannot be imported here (its kernels need CUDA), so its two modules the hook
+    touches are stood in for: a ForwardBatch dataclass and the attention-TP rank. The
+    runner's copy is what 0.5.17's EagerRunner.load_batch does (``dataclasses.replace``):
+    only dataclass fields survive it, which is how the live H200 run lost every dump.
+    """
+    import dataclasses
+    import enum
+    import sys
+    import types
+
+    from patches import sglang_hook
+    from patches.sglang_releases import FORWARD_BATCH_INFO, PARALLEL_STATE
+
+    Mode = enum.Enum("ForwardMode", "EXTEND DECODE")
+
+    @dataclasses.dataclass
+    class ForwardBatch:
+        forward_mode: Mode
+        rids: list
+        extend_seq_lens_cpu: list
+        extend_prefix_lens_cpu: list
+
+        @classmethod
+        def init_new(cls, batch, model_runner):
+            return cls(Mode.EXTEND, [r.rid for r in batch.reqs], batch.extend_lens, batch.prefix_lens)
+
+    monkeypatch.setitem(sys.modules, FORWARD_BATCH_INFO, types.SimpleNamespace(ForwardBatch=ForwardBatch))
+    monkeypatch.setitem(sys.modules, PARALLEL_STATE,
+                        types.SimpleNamespace(get_attn_tensor_model_parallel_rank=lambda: 0))
+    monkeypatch.setattr(sglang_hook, "_state", None)
+
+    layer_ids, states = truth
+    config = HookConfig(DumpSettings(tmp_path, "eagle3-", "tiny", tuple(layer_ids)), aux_capture="layer_hooks")
+    specs = forward_hook_specs(config)
+    logits_hook = sglang_hook.make_logits_hook(specs[0]["config"])
+    layer_hooks = {s["config"]["layer_id"]: sglang_hook.make_aux_layer_hook(s["config"]) for s in specs[1:]}
+
+    # One chunk of each prompt, "eagle3-short" whole and the first 10 tokens of "eagle3-long".
+    rows = [("eagle3-short", 0, 7), ("eagle3-long", 0, 10)]
+    reqs = [types.SimpleNamespace(rid=rid, origin_input_ids=PROMPTS[rid]) for rid, _, _ in rows]
+    schedule_batch = types.SimpleNamespace(reqs=reqs, extend_lens=[n for *_, n in rows],
+                                           prefix_lens=[p for _, p, _ in rows])
+    copy = dataclasses.replace(ForwardBatch.init_new(schedule_batch, model_runner=None))
+
+    aux, final = (torch.cat([states[rid][k][p:p + n] for rid, p, n in rows]) for k in (0, 1))
+    h = final.shape[1]
+    for j, layer_id in enumerate(layer_ids):
+        tap = aux[:, j * h:(j + 1) * h]
+        # The layer before the tap returns (hidden_states, residual); their sum is the tap.
+        layer_hooks[layer_id](None, (None, None, copy, None), (tap - 1.0, torch.ones_like(tap)))
+    ids = torch.tensor([t for rid, p, n in rows for t in PROMPTS[rid][p:p + n]])
+    logits_hook(None, (ids, final, None, copy, None), None)
+    sglang_hook._state.writer.close()
+
+    reader = DumpReader(tmp_path)
+    dump = reader.assemble("eagle3-short", PROMPTS["eagle3-short"])
+    assert torch.allclose(dump.aux_hidden_states, states["eagle3-short"][0], atol=1e-5)
+    assert torch.equal(dump.final_hidden_states, states["eagle3-short"][1])
+    (piece,) = reader.pieces("eagle3-long")
+    assert (piece.chunk_start, piece.chunk_len, piece.prompt_len) == (0, 10, len(PROMPTS["eagle3-long"]))
+    assert not list(tmp_path.glob("*.error.json"))
