@@ -31,13 +31,11 @@ import requests
 import torch
 from transformers import AutoTokenizer
 
-from bench.benchmark import make_samples
+from bench.benchmark import RID_PREFIX, make_samples
 from patches.dumps import DumpIncomplete, DumpReader, default_aux_layer_ids
 from tasks.dataset_version import read_model_facts
 from tasks.retrieval import ExpectedDump, RetrievalSettings, extract_samples
-from tests.ground_truth import load_reference_model
-
-RID_PREFIX = "eagle3-"
+from tests.ground_truth import all_hidden_states, load_reference_model
 
 
 def wait_healthy(url: str, timeout_s: float) -> float:
@@ -72,11 +70,6 @@ def background_traffic(url: str, stop: threading.Event, counts: dict) -> list[th
     return threads
 
 
-@torch.no_grad()
-def hf_hidden_states(model, ids: list[int]) -> list[torch.Tensor]:
-    return [h[0] for h in model(torch.tensor([ids]), output_hidden_states=True).hidden_states]
-
-
 def compare(dump_aux: torch.Tensor, dump_final: torch.Tensor, hs: list[torch.Tensor], layer_ids) -> dict:
     """Max abs error per tap, and the smallest max abs distance from the expected tap to another layer."""
     h = dump_final.shape[1]
@@ -88,8 +81,7 @@ def compare(dump_aux: torch.Tensor, dump_final: torch.Tensor, hs: list[torch.Ten
     return {"errors": errors, "gaps": gaps}
 
 
-def check_concurrent(args, model, layer_ids, facts) -> dict:
-    tokenizer = AutoTokenizer.from_pretrained(args.model_path)
+def check_concurrent(args, tokenizer, model, layer_ids, facts) -> dict:
     samples = make_samples(tokenizer, args.samples, seed=1, max_words=350)
     settings = RetrievalSettings(url=args.url, rid_prefix=RID_PREFIX,
                                  expected=ExpectedDump(tuple(layer_ids), facts.hidden_size, args.dtype))
@@ -104,7 +96,7 @@ def check_concurrent(args, model, layer_ids, facts) -> dict:
     worst_err = [0.0] * (len(layer_ids) + 1)
     min_gap = [float("inf")] * len(layer_ids)
     for s in written:
-        c = compare(s.aux_hidden_states, s.final_hidden_states, hf_hidden_states(model, s.input_ids.tolist()),
+        c = compare(s.aux_hidden_states, s.final_hidden_states, all_hidden_states(model, s.input_ids.tolist()),
                     layer_ids)
         worst_err = [max(a, b) for a, b in zip(worst_err, c["errors"])]
         min_gap = [min(a, b) for a, b in zip(min_gap, c["gaps"])]
@@ -115,8 +107,7 @@ def check_concurrent(args, model, layer_ids, facts) -> dict:
             "max_err_per_tap_and_final": worst_err, "min_neighbour_gap_per_tap": min_gap, "background": counts}
 
 
-def check_prefix_repeat(args) -> dict:
-    tokenizer = AutoTokenizer.from_pretrained(args.model_path)
+def check_prefix_repeat(args, tokenizer) -> dict:
     ids = make_samples(tokenizer, 1, seed=2, max_words=350)[0].input_ids
     reader = DumpReader(args.dump_dir)
     namespace = uuid.uuid4().hex  # one extra_key for both: only the first send can fill this cache
@@ -158,8 +149,10 @@ def main(argv: list[str] | None = None) -> int:
     facts = read_model_facts(args.model_path)
     layer_ids = default_aux_layer_ids(facts.num_layers)
     model = load_reference_model(str(args.model_path))
+    tokenizer = AutoTokenizer.from_pretrained(args.model_path)
     info = requests.get(f"{args.url}/server_info", timeout=10).json()
-    results = [check_concurrent(args, model, layer_ids, facts), check_prefix_repeat(args), check_leftovers(args)]
+    results = [check_concurrent(args, tokenizer, model, layer_ids, facts), check_prefix_repeat(args, tokenizer),
+               check_leftovers(args)]
     report = {"sglang": info.get("version"), "dtype": args.dtype, "layer_ids": layer_ids, "ready_s": round(ready_s),
               "results": results}
     print(f"SGLang {report['sglang']}, dtype {args.dtype}, taps {layer_ids}, healthy after {ready_s:.0f}s")

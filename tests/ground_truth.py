@@ -16,9 +16,12 @@ def load_reference_model(model_dir: str, dtype: torch.dtype = torch.float32):
 
 
 @torch.no_grad()
+def all_hidden_states(model, input_ids: Sequence[int]) -> list[torch.Tensor]:
+    """HF ``hidden_states`` of one sequence: entry i [T, H] enters decoder layer i; the last is post-norm."""
+    return [h[0] for h in model(torch.tensor([list(input_ids)]), output_hidden_states=True).hidden_states]
+
+
 def reference_hidden_states(model, input_ids: Sequence[int], layer_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """(aux [T, k*H] = HF hidden_states[i] for i in layer_ids, final [T, H] = last entry, post-norm)."""
-    out = model(torch.tensor([list(input_ids)]), output_hidden_states=True)
-    hs = out.hidden_states
-    aux = torch.cat([hs[i][0] for i in layer_ids], dim=-1)
-    return aux, hs[-1][0]
+    hs = all_hidden_states(model, input_ids)
+    return torch.cat([hs[i] for i in layer_ids], dim=-1), hs[-1]

@@ -15,10 +15,9 @@ from pathlib import Path
 import polars as pl
 import pytest
 import requests
-from transformers import AutoTokenizer
-
 from prefect import get_client
 from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterName
+from transformers import AutoTokenizer
 
 from flows.extract import REPO, ExtractParameters, ServerOptions, extract
 from infra.server import free_port
@@ -94,7 +93,6 @@ def independent_loss_mask(tokenizer, messages: list[dict], input_ids: list[int])
             mask += [0] * added
         prev = n
     return mask[: len(input_ids)]
-
 
 
 @pytest.fixture
