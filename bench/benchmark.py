@@ -30,7 +30,8 @@ from infra.server import ServerConfig, start_server
 from infra.tiny_model import build_tiny_model
 from patches.dumps import DumpReader, default_aux_layer_ids
 from tasks.dataset_version import read_model_facts
-from tasks.prompts import PreparedSample, compute_loss_mask
+from tasks.prompts import compute_loss_mask
+from tasks.samples import PreparedSample
 from tasks.retrieval import ExpectedDump, RetrievalSettings, extract_samples
 from tests.ground_truth import load_reference_model, reference_hidden_states
 

@@ -36,7 +36,8 @@ from tasks.exports import check_exports
 from tasks.prompts import template_hash, write_rejects
 from tasks.retrieval import ExpectedDump, RetrievalSettings, SampleError, SampleFailure
 from tasks.steps import consolidate_step, extract_batch_step, prepare_step, retry_sample_step
-from tasks.training_set import DatasetInfo, read_shard_index
+from tasks.shards import read_shard_index
+from tasks.training_set import DatasetInfo
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_PROMPTS = REPO / "data" / "demo_prompts.jsonl"

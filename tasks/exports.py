@@ -31,7 +31,8 @@ from typing import Callable, Sequence
 import torch
 
 from patches.dumps import FINAL_NORM, safe_rid
-from tasks.training_set import DatasetInfo, ExportSummary, TrainingSetDataset, TrainingSetError
+from tasks.shards import TrainingSetError
+from tasks.training_set import DatasetInfo, ExportSummary, TrainingSetDataset
 
 EXPORT_INDEX_NAME = "export_index.json"
 EXPORT_INDEX_FORMAT = "eagle3-export-index"

@@ -47,6 +47,8 @@ from typing import Iterator, Sequence
 import jinja2
 import polars as pl
 
+from tasks.samples import PreparedSample
+
 ON_OVERLONG = ("truncate", "skip")
 
 #: roles a row may use, per shape, and the chat-template role each one means.
@@ -87,16 +89,6 @@ class LossMaskError(Exception):
 
 
 # --------------------------------------------------------------------------- results
-
-
-@dataclass(frozen=True)
-class PreparedSample:
-    sample_key: str
-    source_id: str
-    line: int
-    input_ids: list[int]
-    loss_mask: list[int]
-    truncated: bool
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,7 @@ import requests
 import torch
 
 from patches.dumps import DumpError, DumpReader
-from tasks.prompts import PreparedSample
-from tasks.training_set import TrainingSample
+from tasks.samples import PreparedSample, TrainingSample
 
 
 class SampleError(Exception):

@@ -16,10 +16,12 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import task_run as current_task_run
 
 from patches.dumps import DumpReader
-from tasks.prompts import PreparedPrompts, PreparedSample, prepare_prompts
+from tasks.prompts import PreparedPrompts, prepare_prompts
 from tasks.retrieval import (ConfigMismatch, PermanentFailure, RetrievalSettings, SampleError, SampleFailure,
                              extract_one, extract_samples)
-from tasks.training_set import ConsolidationSummary, DatasetInfo, ShardSummary, consolidate, write_shard
+from tasks.samples import PreparedSample
+from tasks.shards import ShardSummary, write_shard
+from tasks.training_set import ConsolidationSummary, DatasetInfo, consolidate
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from tasks.exports import EXPORT_INDEX_NAME, ExportUnsupported, check_exports
-from tasks.training_set import TrainingSetDataset, consolidate, write_shard
+from tasks.shards import write_shard
+from tasks.training_set import TrainingSetDataset, consolidate
 from tests.test_training_set import LAYERS, make_info, make_sample, shard_path
 
 REPO = Path(__file__).resolve().parent.parent

@@ -17,9 +17,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tasks.training_set import (DatasetInfo, InvalidSample, MissingSamples, SchemaMismatch, ShardCorrupt,
-                                TrainingSample, TrainingSetDataset, consolidate, content_hash, list_shards,
-                                read_dataset_info, read_shard_index, write_shard)
+from tasks.samples import TrainingSample
+from tasks.shards import InvalidSample, ShardCorrupt, content_hash, list_shards, read_shard_index, write_shard
+from tasks.training_set import (DatasetInfo, MissingSamples, SchemaMismatch, TrainingSetDataset, consolidate,
+                                read_dataset_info)
 
 HIDDEN = 16
 LAYERS = [2, 4, 5]
@@ -99,7 +100,7 @@ _CRASH_CHILD = textwrap.dedent("""
     from pathlib import Path
     sys.path[:0] = [{repo!r}, {tests!r}]
     from test_training_set import make_sample
-    from tasks.training_set import write_shard
+    from tasks.shards import write_shard
     path = Path({path!r})
     write_shard(path, [make_sample("old", 4, 0)])
     resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
