@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import random
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -32,7 +31,7 @@ from patches.dumps import DumpReader, default_aux_layer_ids
 from tasks.dataset_version import read_model_facts
 from tasks.prompts import compute_loss_mask
 from tasks.samples import PreparedSample
-from tasks.retrieval import ExpectedDump, RetrievalSettings, extract_samples
+from tasks.retrieval import ExpectedDump, InFlightLimit, RetrievalSettings, extract_samples
 from tests.ground_truth import load_reference_model, reference_hidden_states
 
 RID_PREFIX = "eagle3-"
@@ -62,8 +61,8 @@ def forward_time(url: str) -> float:
 def run_core(server, samples, layer_ids, hidden, in_flight) -> list:
     settings = RetrievalSettings(url=server.url, rid_prefix=RID_PREFIX,
                                  expected=ExpectedDump(tuple(layer_ids), hidden, "float32"))
-    written, failed = extract_samples(settings, DumpReader(server.config.dump_dir), samples, in_flight,
-                                      threading.Semaphore(in_flight))
+    written, failed = extract_samples(settings, DumpReader(server.config.dump_dir), samples,
+                                      InFlightLimit(in_flight, 1 << 40))
     if failed:
         raise RuntimeError(f"{len(failed)} samples failed, first: {failed[0]}")
     return [(s.input_ids.tolist(), s.aux_hidden_states, s.final_hidden_states) for s in written]

@@ -34,7 +34,7 @@ from transformers import AutoTokenizer
 from bench.benchmark import RID_PREFIX, make_samples
 from patches.dumps import DumpIncomplete, DumpReader, default_aux_layer_ids
 from tasks.dataset_version import read_model_facts
-from tasks.retrieval import ExpectedDump, RetrievalSettings, extract_samples
+from tasks.retrieval import ExpectedDump, InFlightLimit, RetrievalSettings, extract_samples
 from tests.ground_truth import all_hidden_states, load_reference_model
 
 
@@ -88,7 +88,7 @@ def check_concurrent(args, tokenizer, model, layer_ids, facts) -> dict:
     stop, counts = threading.Event(), {}
     threads = background_traffic(args.url, stop, counts)
     t0 = time.monotonic()
-    written, failed = extract_samples(settings, DumpReader(args.dump_dir), samples, args.in_flight)
+    written, failed = extract_samples(settings, DumpReader(args.dump_dir), samples, InFlightLimit(args.in_flight, 2 << 30))
     wall = time.monotonic() - t0
     stop.set()
     for t in threads:

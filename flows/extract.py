@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import threading
 import time
 import uuid
 from datetime import datetime, timezone
@@ -34,7 +33,7 @@ from patches.dumps import DumpReader
 from tasks.dataset_version import extraction_config, read_model_facts, version_dir
 from tasks.exports import check_exports
 from tasks.prompts import template_hash, write_rejects
-from tasks.retrieval import ExpectedDump, RetrievalSettings, SampleError, SampleFailure
+from tasks.retrieval import ExpectedDump, InFlightLimit, RetrievalSettings, SampleError, SampleFailure
 from tasks.steps import consolidate_step, extract_batch_step, prepare_step, retry_sample_step
 from tasks.shards import read_shard_index
 from tasks.training_set import DatasetInfo
@@ -67,6 +66,10 @@ class ExtractParameters(BaseModel):
     server: ServerOptions = Field(default_factory=ServerOptions)
     batch_size: int = Field(100, title="Samples per batch task", ge=1, le=5000)
     max_in_flight: int = Field(8, title="Requests in flight", ge=1, le=1024)
+    max_dump_bytes_in_flight: int = Field(
+        2 << 30, title="Dump bytes in flight", ge=1 << 20,
+        description="Hidden-state bytes of requests sent but not yet read back, over all batches; below the "
+                    "server writer's budget, so a slow reader slows the server instead of losing dumps.")
     concurrent_batches: int = Field(2, title="Batch tasks at once", ge=1, le=64)
     attempts: int = Field(3, title="Attempts per sample inside its batch", ge=1, le=20)
     sample_retries: int = Field(2, title="Prefect retries of a sample its batch could not extract", ge=0, le=20)
@@ -186,13 +189,13 @@ def run_extraction(params: ExtractParameters, model_path: Path, out: Path, vdir:
                                      backoff_s=params.backoff_s)
         started = time.monotonic()
         batches = [todo[i:i + params.batch_size] for i in range(0, len(todo), params.batch_size)]
-        in_flight = threading.Semaphore(params.max_in_flight)
+        limit = InFlightLimit(params.max_in_flight, params.max_dump_bytes_in_flight)
         runner = ThreadPoolTaskRunner(max_workers=params.concurrent_batches)
         with tqdm(total=len(todo), unit="sample", desc="extracting") as bar, runner:
             futures = [runner.submit(extract_batch_step, parameters=dict(
                 index=i, samples=quote(batch), settings=settings, dump_dir=dump_dir,
                 shard_path=vdir / "shards" / f"shard-{run_id}-{i:05d}.safetensors",
-                max_in_flight=params.max_in_flight, in_flight=in_flight, on_done=bar.update))
+                limit=limit, on_done=bar.update))
                 for i, batch in enumerate(batches)]
             wait(futures)
             results = [f.result() for f in futures]
@@ -240,6 +243,7 @@ def parse_args(argv: list[str] | None = None) -> ExtractParameters:
     p.add_argument("--out", default=d.out)
     p.add_argument("--batch-size", type=int, default=d.batch_size)
     p.add_argument("--max-in-flight", type=int, default=d.max_in_flight)
+    p.add_argument("--max-dump-bytes-in-flight", type=int, default=d.max_dump_bytes_in_flight)
     p.add_argument("--concurrent-batches", type=int, default=d.concurrent_batches)
     p.add_argument("--attempts", type=int, default=d.attempts)
     p.add_argument("--sample-retries", type=int, default=d.sample_retries)
@@ -259,6 +263,7 @@ def parse_args(argv: list[str] | None = None) -> ExtractParameters:
                            skip_server_warmup=a.skip_server_warmup, device=a.device, port=a.port)
     return ExtractParameters(prompts=a.prompts, model_path=a.model_path, out=a.out, server=server,
                              batch_size=a.batch_size, max_in_flight=a.max_in_flight,
+                             max_dump_bytes_in_flight=a.max_dump_bytes_in_flight,
                              concurrent_batches=a.concurrent_batches, attempts=a.attempts,
                              sample_retries=a.sample_retries, backoff_s=a.backoff_s, max_length=a.max_length,
                              on_overlong=a.on_overlong,

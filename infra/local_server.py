@@ -51,6 +51,7 @@ from urllib.parse import urlsplit
 import torch
 
 from patches.batch_slicing import slice_extend_batch
+from patches.capture import PieceRows, capture_pieces
 from patches.dumps import DumpSettings, DumpWriter, default_aux_layer_ids, prompt_hash
 
 log = logging.getLogger("infra.local_server")
@@ -324,32 +325,12 @@ class DumpHook:
             return
         rows = slice_extend_batch([r.rid for r in batch.requests], batch.extend_seq_lens,
                                   batch.extend_prefix_lens, int(batch.input_ids.numel()), batch.is_prefill)
-        aux = torch.cat([batch.hidden_states[i] for i in self.layer_ids], dim=-1)
-        final = batch.hidden_states[-1]  # HF Llama: the last entry is after the final norm
-        aux, final, ready = _to_host(aux, final)
-        for req, r, want in zip(batch.requests, rows, wanted):
-            if not want:
-                continue
-            self.writer.submit(
-                r.rid, chunk_start=r.chunk_start, input_ids=batch.input_ids[r.row_start:r.row_end].clone(),
-                prompt_len=req.prompt_len, prompt_hash=req.prompt_hash,
-                aux_hidden_states=aux[r.row_start:r.row_end].clone(),
-                final_hidden_states=final[r.row_start:r.row_end].clone(),
-                forward_mode="extend" if r.is_prefill else "decode", ready=ready)
-
-
-def _to_host(*tensors: torch.Tensor) -> tuple:
-    """Copy device tensors to pinned host memory without waiting; the writer waits on the event."""
-    if tensors[0].device.type != "cuda":
-        return (*tensors, None)
-    host = []
-    for t in tensors:
-        h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        h.copy_(t, non_blocking=True)
-        host.append(h)
-    ready = torch.cuda.Event()
-    ready.record()
-    return (*host, ready)
+        pieces = [PieceRows(r.rid, r.chunk_start, r.row_start, r.row_end, req.prompt_len, req.prompt_hash,
+                            "extend" if r.is_prefill else "decode")
+                  for req, r, want in zip(batch.requests, rows, wanted) if want]
+        # HF Llama: the last hidden_states entry is after the final norm
+        capture_pieces(self.writer, pieces, batch.input_ids.to(batch.hidden_states[-1].device),
+                       [batch.hidden_states[i] for i in self.layer_ids], batch.hidden_states[-1])
 
 
 class Scheduler:

@@ -100,18 +100,25 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def build_tiny_model(out_dir: Path | str, *, layers: int = 8, hidden: int = 64, seed: int = 0) -> Path:
-    """Write the tiny model and tokenizer to ``out_dir``; returns it."""
+def build_tiny_model(out_dir: Path | str, *, layers: int = 8, hidden: int = 64, seed: int = 0,
+                     intermediate: int | None = None, heads: int = 4, kv_heads: int = 2,
+                     device: str = "cpu", dtype: torch.dtype = torch.float32) -> Path:
+    """Write the tiny model and tokenizer to ``out_dir``; returns it.
+
+    With ``hidden=4096, intermediate=14336, heads=32, kv_heads=8`` and ``device="cuda"``,
+    ``dtype=torch.bfloat16`` it is a random model of Llama-3-8B's width (built on the GPU in
+    seconds) for measuring at real load; the weights then depend on the device's generator.
+    """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=hidden,
-        intermediate_size=2 * hidden,
+        intermediate_size=intermediate or 2 * hidden,
         num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=4096,
         rms_norm_eps=1e-5,
         rope_theta=500000.0,
@@ -119,17 +126,18 @@ def build_tiny_model(out_dir: Path | str, *, layers: int = 8, hidden: int = 64, 
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        torch_dtype="float32",
+        torch_dtype=str(dtype).removeprefix("torch."),
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).eval()
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(dtype).eval()
     # The default init (std 0.02) leaves a random tiny model's hidden states nearly constant
     # across positions; a larger spread makes per-token states differ, so tests catch mix-ups.
     with torch.no_grad():
-        generator = torch.Generator().manual_seed(seed)
+        generator = torch.Generator(device).manual_seed(seed)
         for param in model.parameters():
             if param.dim() >= 2:
-                param.copy_(torch.randn(param.shape, generator=generator) * (1.0 / param.shape[-1] ** 0.5))
+                param.copy_(torch.randn(param.shape, generator=generator, device=device) * (1.0 / param.shape[-1] ** 0.5))
     model.generation_config.do_sample = False
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
@@ -142,8 +150,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--intermediate", type=int, default=None, help="default: 2 x hidden")
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = parser.parse_args(argv)
-    out = build_tiny_model(args.out_dir, layers=args.layers, hidden=args.hidden, seed=args.seed)
+    out = build_tiny_model(args.out_dir, layers=args.layers, hidden=args.hidden, seed=args.seed,
+                           intermediate=args.intermediate, heads=args.heads, kv_heads=args.kv_heads,
+                           device=args.device, dtype=getattr(torch, args.dtype))
     print(out, file=sys.stderr)
     return 0
 

@@ -22,9 +22,10 @@ What it attaches, per process:
   the model a copy of the ForwardBatch that keeps only its dataclass fields).
 
 Only EXTEND and MIXED forwards of rids with the dump prefix are dumped, on attention-TP
-rank 0 (each DP rank has its own scheduler and writes its own requests). Device-to-host
-copies run on a side stream into pinned memory; the DumpWriter thread waits on the
-copy's event, so the scheduler never waits for a copy or a disk.
+rank 0 (each DP rank has its own scheduler and writes its own requests). The rows leave
+the GPU through :mod:`patches.capture`: a snapshot and its checksum on the forward's
+stream, then a side-stream copy to pinned memory that the writer threads wait on, so the
+scheduler never waits for a copy or a disk, and no later forward can change what is copied.
 
 This module imports without SGLang (the launcher and the CPU tests use it); SGLang is
 imported only inside the factories, which run in the server.
@@ -42,6 +43,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from patches.batch_slicing import BatchLayoutError, slice_extend_batch
+from patches.capture import PieceRows, Transfer, capture_pieces, to_host
 from patches.dumps import DumpSettings, DumpWriter, prompt_hash
 from patches.sglang_releases import (
     DECODER_LAYER_MODULE,
@@ -73,54 +75,6 @@ class PromptInfo:
 # --------------------------------------------------------------------------- the tensor logic
 
 
-HostCopy = tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]
-#: (input_ids rows, aux rows per layer, final rows) -> host (ids, aux [n, k*H], final, ready event)
-HostCopier = Callable[[torch.Tensor, Sequence[torch.Tensor], torch.Tensor], HostCopy]
-
-
-def copy_rows_to_host(ids: torch.Tensor, aux: Sequence[torch.Tensor], final: torch.Tensor) -> HostCopy:
-    """Host copies of one request's rows; on CUDA through :class:`SideStreamCopier`'s default."""
-    if final.is_cuda:
-        return _side_stream_copier()(ids, aux, final)
-    return ids.clone(), torch.cat(list(aux), dim=-1), final.clone(), None
-
-
-class SideStreamCopier:
-    """Copies rows to pinned host memory on a side stream; returns the event to wait on.
-
-    The side stream first waits for the forward's stream (a GPU-side dependency, no host
-    sync), and ``record_stream`` keeps the caching allocator from handing the source
-    memory to the next forward before the copy has read it.
-    """
-
-    def __init__(self, device: torch.device):
-        self.stream = torch.cuda.Stream(device=device)
-
-    def __call__(self, ids: torch.Tensor, aux: Sequence[torch.Tensor], final: torch.Tensor) -> HostCopy:
-        self.stream.wait_stream(torch.cuda.current_stream(final.device))
-        with torch.cuda.stream(self.stream):
-            aux_rows = torch.cat(list(aux), dim=-1)
-            host = []
-            for t in (ids, aux_rows, final):
-                t.record_stream(self.stream)
-                h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                h.copy_(t, non_blocking=True)
-                host.append(h)
-            ready = torch.cuda.Event()
-            ready.record(self.stream)
-        return host[0], host[1], host[2], ready
-
-
-_copiers: dict[int, SideStreamCopier] = {}
-
-
-def _side_stream_copier() -> SideStreamCopier:
-    device = torch.cuda.current_device()
-    if device not in _copiers:
-        _copiers[device] = SideStreamCopier(torch.device("cuda", device))
-    return _copiers[device]
-
-
 def dump_extend_batch(
     writer: DumpWriter,
     *,
@@ -133,7 +87,7 @@ def dump_extend_batch(
     final_hidden_states: torch.Tensor,
     aux_hidden_states: Sequence[torch.Tensor] | torch.Tensor | None,
     num_aux_layers: int,
-    copier: HostCopier = copy_rows_to_host,
+    transfer: Transfer = to_host,
 ) -> list[str]:
     """Submit one piece per wanted request of one forward; returns the rids submitted.
 
@@ -142,7 +96,8 @@ def dump_extend_batch(
     requests' are padding. A request's piece holds its rows up to the end of its prompt:
     rows of a decode step (a request whose prefix already covers its prompt) and output
     tokens of a re-prefilled request are not part of the prompt. A batch that does not add
-    up leaves an error marker for each wanted rid and is otherwise skipped.
+    up leaves an error marker for each wanted rid and is otherwise skipped. The rows are
+    taken off the GPU by :func:`patches.capture.capture_pieces` (snapshot, checksum, transfer).
     """
     if forward_mode not in DUMPED_FORWARD_MODES or not rids:
         return []
@@ -168,7 +123,7 @@ def dump_extend_batch(
     except BatchLayoutError as exc:
         return fail_all(f"{forward_mode} batch layout: {exc}")
 
-    submitted = []
+    pieces = []
     for i in wanted:
         rows, prompt = layout[i], prompts[i]
         if prompt is None:
@@ -177,13 +132,9 @@ def dump_extend_batch(
         if not rows.is_prefill or rows.n == 0:
             continue
         n = min(rows.n, prompt.prompt_len - rows.chunk_start)
-        r0, r1 = rows.row_start, rows.row_start + n
-        ids, aux, final, ready = copier(input_ids[r0:r1], [a[r0:r1] for a in aux_parts], final_hidden_states[r0:r1])
-        if writer.submit(rows.rid, chunk_start=rows.chunk_start, input_ids=ids, prompt_len=prompt.prompt_len,
-                         prompt_hash=prompt.prompt_hash, aux_hidden_states=aux, final_hidden_states=final,
-                         forward_mode="extend", ready=ready):
-            submitted.append(rows.rid)
-    return submitted
+        pieces.append(PieceRows(rows.rid, rows.chunk_start, rows.row_start, rows.row_start + n,
+                                prompt.prompt_len, prompt.prompt_hash))
+    return capture_pieces(writer, pieces, input_ids, aux_parts, final_hidden_states, transfer)
 
 
 def _split_aux(aux, k: int, final: torch.Tensor) -> list[torch.Tensor] | str:

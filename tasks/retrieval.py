@@ -10,18 +10,22 @@ request's own token ids, the configured layers, shapes and finite values.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import requests
 import torch
 
 from patches.dumps import DumpError, DumpReader
 from tasks.samples import PreparedSample, TrainingSample
+
+log = logging.getLogger(__name__)
 
 
 class SampleError(Exception):
@@ -69,6 +73,43 @@ class ExpectedDump:
     layer_ids: tuple[int, ...]
     hidden_size: int
     dtype: str
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Dump bytes per prompt token: the id, the aux taps and the final state."""
+        itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[self.dtype]
+        return 8 + (len(self.layer_ids) + 1) * self.hidden_size * itemsize
+
+
+class InFlightLimit:
+    """Requests, and dump bytes, in flight at most: one per server, shared by every batch using it.
+
+    A request's dump occupies the server's writer queue (pinned host memory) and the dump
+    folder from its prefill until this client has read and deleted it. Holding the bytes
+    here keeps the writer under its budget when the host cannot keep up: the server gets
+    fewer requests (it slows down) instead of refusing pieces it already computed. A
+    sample larger than the whole byte budget goes alone.
+    """
+
+    def __init__(self, max_requests: int, max_bytes: int):
+        self.max_requests, self.max_bytes = max_requests, max_bytes
+        self._requests = self._bytes = 0
+        self._cond = threading.Condition()
+
+    @contextmanager
+    def hold(self, nbytes: int) -> Iterator[None]:
+        nbytes = min(nbytes, self.max_bytes)
+        with self._cond:
+            self._cond.wait_for(lambda: self._requests < self.max_requests and self._bytes + nbytes <= self.max_bytes)
+            self._requests += 1
+            self._bytes += nbytes
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._requests -= 1
+                self._bytes -= nbytes
+                self._cond.notify_all()
 
 
 @dataclass(frozen=True)
@@ -158,14 +199,22 @@ def extract_one(settings: RetrievalSettings, reader: DumpReader, sample: Prepare
 
 
 def extract_with_retries(settings: RetrievalSettings, reader: DumpReader, sample: PreparedSample,
-                         session: requests.Session) -> TrainingSample | SampleFailure:
-    """Up to ``settings.attempts`` attempts with exponential backoff; permanent errors stop at once."""
+                         session: requests.Session, limit: InFlightLimit) -> TrainingSample | SampleFailure:
+    """Up to ``settings.attempts`` attempts with exponential backoff; permanent errors stop at once.
+
+    Each attempt holds its place in ``limit``; the backoff between attempts does not.
+    """
+    nbytes = len(sample.input_ids) * settings.expected.bytes_per_token
     last: SampleError | None = None
     for i in range(settings.attempts):
         try:
-            return extract_one(settings, reader, sample, i + 1, session)
+            with limit.hold(nbytes):
+                return extract_one(settings, reader, sample, i + 1, session)
         except SampleError as exc:
             last = exc
+            # every failed attempt is visible, also the ones a later attempt makes good
+            log.warning("attempt %d of %d: %s: %s", i + 1, settings.attempts, type(exc).__name__, exc,
+                        extra={"sample_error": type(exc).__name__})
             if not exc.retryable:
                 break
             if i + 1 < settings.attempts:
@@ -176,26 +225,21 @@ def extract_with_retries(settings: RetrievalSettings, reader: DumpReader, sample
 
 
 def extract_samples(settings: RetrievalSettings, reader: DumpReader, samples: Sequence[PreparedSample],
-                    max_in_flight: int, in_flight: threading.Semaphore | None = None,
-                    on_done: Callable[[], None] | None = None,
+                    limit: InFlightLimit, on_done: Callable[[], None] | None = None,
                     ) -> tuple[list[TrainingSample], list[SampleFailure]]:
-    """Extract a batch with at most ``max_in_flight`` requests at once (and under ``in_flight``,
-    a limit shared with other batches, when given). Results keep the input order."""
+    """Extract a batch under ``limit`` (which other batches to the same server may share).
+    Results keep the input order."""
     session = requests.Session()
-    adapter = requests.adapters.HTTPAdapter(pool_maxsize=max_in_flight)
+    adapter = requests.adapters.HTTPAdapter(pool_maxsize=limit.max_requests)
     session.mount("http://", adapter)
 
     def run(sample: PreparedSample) -> TrainingSample | SampleFailure:
-        if in_flight is None:
-            result = extract_with_retries(settings, reader, sample, session)
-        else:
-            with in_flight:
-                result = extract_with_retries(settings, reader, sample, session)
+        result = extract_with_retries(settings, reader, sample, session, limit)
         if on_done is not None:
             on_done()
         return result
 
-    with session, ThreadPoolExecutor(max_workers=max_in_flight, thread_name_prefix="extract") as pool:
+    with session, ThreadPoolExecutor(max_workers=limit.max_requests, thread_name_prefix="extract") as pool:
         results = list(pool.map(run, samples))
     written = [r for r in results if isinstance(r, TrainingSample)]
     failed = [r for r in results if isinstance(r, SampleFailure)]

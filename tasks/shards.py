@@ -28,7 +28,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import struct
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +35,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from patches.safetensors_stream import byte_view, write_safetensors
 from tasks.dataset_version import SCHEMA_VERSION
 from tasks.samples import TrainingSample
 
@@ -43,7 +43,6 @@ SHARD_FORMAT = "eagle3-training-shard"
 SHARD_SUFFIX = ".safetensors"
 
 HIDDEN_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_SAFETENSORS_DTYPES = {torch.int64: "I64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
 # --------------------------------------------------------------------------- errors
@@ -82,7 +81,7 @@ def content_hash(input_ids: torch.Tensor, loss_mask: torch.Tensor, aux: torch.Te
     h = hashlib.sha256()
     for t in (input_ids, loss_mask, aux, final):
         h.update(f"{t.dtype}{tuple(t.shape)};".encode())
-        h.update(_byte_view(t))
+        h.update(byte_view(t))
     return h.hexdigest()[:32]
 
 
@@ -111,22 +110,10 @@ def write_shard(path: Path, samples: list[TrainingSample]) -> ShardSummary:
         ("aux_hidden_states", dtype, [total, aux_width], [s.aux_hidden_states for s in samples]),
         ("final_hidden_states", dtype, [total, hidden], [s.final_hidden_states for s in samples]),
     ]
-    header: dict = {"__metadata__": metadata}
-    cursor = 0
-    for name, col_dtype, shape, parts in columns:
-        size = sum(p.numel() for p in parts) * col_dtype.itemsize
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[col_dtype], "shape": shape, "data_offsets": [cursor, cursor + size]}
-        cursor += size
-    header_bytes = json.dumps(header, separators=(",", ":")).encode()
-    header_bytes += b" " * (-len(header_bytes) % 8)  # data starts 8-byte aligned, as safetensors writes it
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
     try:
         with open(tmp, "wb") as f:
-            f.write(struct.pack("<Q", len(header_bytes)))
-            f.write(header_bytes)
-            for _, _, _, parts in columns:
-                for part in parts:
-                    f.write(_byte_view(part))
+            write_safetensors(f, columns, metadata)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -217,11 +204,6 @@ def _check_samples(path: Path, samples: list[TrainingSample]) -> tuple[torch.dty
             raise bad(f"hidden states of dtypes {s.aux_hidden_states.dtype}/{s.final_hidden_states.dtype}, "
                       f"the shard's are {dtype}")
     return dtype, hidden, aux_width
-
-
-def _byte_view(t: torch.Tensor):
-    """The tensor's bytes as a buffer, without a copy when it is contiguous (any dtype, bf16 included)."""
-    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -5,7 +5,6 @@ No tensors cross a task boundary: batches return shard paths and small summaries
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -17,7 +16,7 @@ from prefect.runtime import task_run as current_task_run
 
 from patches.dumps import DumpReader
 from tasks.prompts import PreparedPrompts, prepare_prompts
-from tasks.retrieval import (ConfigMismatch, PermanentFailure, RetrievalSettings, SampleError, SampleFailure,
+from tasks.retrieval import (ConfigMismatch, InFlightLimit, PermanentFailure, RetrievalSettings, SampleError, SampleFailure,
                              extract_one, extract_samples)
 from tasks.samples import PreparedSample
 from tasks.shards import ShardSummary, write_shard
@@ -38,10 +37,10 @@ def prepare_step(prompts: Path, tokenizer, max_length: int, on_overlong: str) ->
 
 @task(name="extract-batch", task_run_name="batch-{index:04d}", cache_policy=NO_CACHE)
 def extract_batch_step(index: int, samples: list[PreparedSample], settings: RetrievalSettings, dump_dir: Path,
-                       shard_path: Path, max_in_flight: int, in_flight: threading.Semaphore,
+                       shard_path: Path, limit: InFlightLimit,
                        on_done: Callable[[], None] | None = None) -> BatchResult:
     """Extract one batch and write its shard. A configuration mismatch fails the batch (and the run)."""
-    written, failed = extract_samples(settings, DumpReader(dump_dir), samples, max_in_flight, in_flight, on_done)
+    written, failed = extract_samples(settings, DumpReader(dump_dir), samples, limit, on_done)
     mismatch = next((f for f in failed if f.error == ConfigMismatch.__name__), None)
     if mismatch is not None:
         raise ConfigMismatch(mismatch.sample_key, mismatch.source_id, mismatch.reason)

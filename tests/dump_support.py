@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from patches.capture import PieceRows, capture_pieces
 from patches.dumps import DumpSettings, DumpWriter, prompt_hash
 
 H, LAYERS = 8, (2, 4, 5)
@@ -13,10 +14,14 @@ def make_writer(folder, **kw) -> DumpWriter:
     return DumpWriter(DumpSettings(folder, "eagle3-", "tiny", LAYERS, **kw))
 
 
-def submit(writer, rid, ids, start, end, *, aux=None, final=None, mode="extend"):
-    """Submit tokens ``[start, end)`` of prompt ``ids``; random states unless given (whole-prompt tensors sliced)."""
-    n = end - start
-    return writer.submit(rid, chunk_start=start, input_ids=torch.tensor(ids[start:end]), prompt_len=len(ids),
-                         prompt_hash=prompt_hash(ids), forward_mode=mode,
-                         aux_hidden_states=torch.randn(n, 3 * H) if aux is None else aux,
-                         final_hidden_states=torch.randn(n, H) if final is None else final)
+def submit(writer, rid, ids, start, end, *, aux=None, final=None, mode="extend", prompt=None):
+    """Capture tokens ``[start, end)`` of ``ids`` as the engines do (patches.capture); True if queued.
+
+    States are random unless given ([end - start, 3H] and [end - start, H]); ``prompt`` is the
+    whole prompt the piece claims to be of (``ids`` unless given).
+    """
+    n, prompt = end - start, ids if prompt is None else prompt
+    aux = torch.randn(n, 3 * H) if aux is None else aux
+    final = torch.randn(n, H) if final is None else final
+    piece = PieceRows(rid, start, 0, n, len(prompt), prompt_hash(prompt), mode)
+    return bool(capture_pieces(writer, [piece], torch.tensor(ids[start:end]), list(aux.split(H, dim=-1)), final))

@@ -29,14 +29,14 @@ IDS = list(range(100, 137))
 
 KILLED_WRITER = textwrap.dedent("""
     import sys, torch
+    from patches.capture import PieceRows, capture_pieces
     from patches.dumps import DumpSettings, DumpWriter, prompt_hash
     writer = DumpWriter(DumpSettings(sys.argv[1], "eagle3-", "tiny", (2, 4, 5)))
     T, H = 2048, 1024
     for i in range(1000):
         ids = torch.arange(T) + i
-        writer.submit(f"eagle3-kill-{i}", chunk_start=0, input_ids=ids, prompt_len=T,
-                      prompt_hash=prompt_hash(ids.tolist()), aux_hidden_states=torch.full((T, 3 * H), float(i)),
-                      final_hidden_states=torch.full((T, H), float(i)))
+        piece = PieceRows(f"eagle3-kill-{i}", 0, 0, T, T, prompt_hash(ids.tolist()))
+        capture_pieces(writer, [piece], ids, [torch.full((T, H), float(i))] * 3, torch.full((T, H), float(i)))
     writer.close()
 """)
 
@@ -121,9 +121,7 @@ def test_decode_pieces_of_a_careless_hook_are_ignored(tmp_path):
     submit(writer, "eagle3-dec", IDS, 0, 37, aux=aux, final=final)
     seq = IDS + [7, 8]
     for pos in (37, 38):  # decode steps feed one generated token each, past the prompt
-        writer.submit("eagle3-dec", chunk_start=pos, input_ids=torch.tensor([seq[pos]]), prompt_len=37,
-                      prompt_hash=prompt_hash(IDS), aux_hidden_states=torch.randn(1, 3 * H),
-                      final_hidden_states=torch.randn(1, H), forward_mode="decode")
+        submit(writer, "eagle3-dec", seq, pos, pos + 1, mode="decode", prompt=IDS)
     writer.close()
     reader = DumpReader(tmp_path)
     infos = reader.wait("eagle3-dec", 37, timeout=10)
@@ -137,11 +135,11 @@ def test_unreadable_wrong_version_and_nan_pieces_are_corrupt(tmp_path):
     with pytest.raises(DumpCorrupt, match="cannot read piece"):
         reader.pieces("eagle3-junk")
 
-    meta = {"format": "eagle3-dump", "version": "2", "rid": "eagle3-v2", "chunk_start": "0", "chunk_len": "37",
+    meta = {"format": "eagle3-dump", "version": "99", "rid": "eagle3-v2", "chunk_start": "0", "chunk_len": "37",
             "prompt_len": "37", "prompt_hash": prompt_hash(IDS), "forward_mode": "extend"}
     save_file({"input_ids": torch.tensor(IDS)}, str(tmp_path / f"{safe_rid('eagle3-v2')}.000000000.bbbbbbbb.dump.safetensors"),
               metadata=meta)
-    with pytest.raises(DumpCorrupt, match="version '2'"):
+    with pytest.raises(DumpCorrupt, match="version '99'"):
         reader.pieces("eagle3-v2")
 
     writer = make_writer(tmp_path)

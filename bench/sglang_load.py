@@ -1,0 +1,269 @@
+"""The dump patch at real load on a GPU node: throughput side by side, and every sample checked.
+
+    python -m bench.sglang_load build-model DIR [--hidden 4096 ...]     random Llama of 8B width, bf16, on the GPU
+    python -m bench.sglang_load prefill  --label L --model-path DIR ...  any server: prompt tokens/s, no dumps read
+    python -m bench.sglang_load consume  --label L --dump-dir DIR ...    patched: each dump read, verified, deleted
+    python -m bench.sglang_load extract  --label L --dump-dir DIR --shards DIR ...
+                                                                        patched: the extraction core writes shards;
+                                                                        then every sample against transformers
+    python -m bench.sglang_load report RESULTS.jsonl                    the table
+
+``bench/sglang_load.sh`` runs them on the lent H200 (unpatched SGLang, then two starts of the
+patched one). Each phase sends its own random-token prompts (uniform lengths, a fresh rid and
+``extra_key`` each, ``max_new_tokens`` 1) with ``--in-flight`` at once, and appends one JSON
+line to ``--results``. Throughput is prompt tokens over the wall time from the first request
+to the last answer (``prefill``) or to the last dump consumed (``consume``) or shard written
+(``extract``).
+
+The check compares each accepted sample with a transformers forward of its ids on the GPU,
+in bf16 (every sample) and in fp32 (every ``--fp32-every``-th): per tap the max abs error,
+beside the max abs distance from that tap to its neighbouring layers. A sample is wrong when a
+tap's error to either reference exceeds a quarter of that distance (a wrong tap is ~as far as
+a neighbour; bf16 noise is a tenth of it). Every failed attempt is counted by its error class,
+also those a retry made good.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import threading
+import time
+import uuid
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import requests
+import torch
+
+from patches.dumps import DumpReader, default_aux_layer_ids
+from tasks.retrieval import (ExpectedDump, InFlightLimit, RetrievalSettings, extract_samples, extract_with_retries,
+                             send_generate)
+from tasks.samples import PreparedSample
+from tasks.shards import write_shard
+
+RID_PREFIX = "eagle3-"
+
+
+class AttemptErrors(logging.Handler):
+    """Counts the extraction core's failed attempts by error class."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.counts: Counter[str] = Counter()
+        self.examples: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        name = getattr(record, "sample_error", None)
+        if name:
+            self.counts[name] += 1
+            if len(self.examples) < 5:
+                self.examples.append(record.getMessage()[:400])
+
+
+def make_prompts(n: int, seed: int, vocab: int, min_tokens: int, max_tokens: int) -> list[PreparedSample]:
+    rng = random.Random(seed)
+    samples = []
+    for i in range(n):
+        ids = [rng.randrange(16, vocab) for _ in range(rng.randint(min_tokens, max_tokens))]
+        samples.append(PreparedSample(sample_key=f"{seed:04d}{i:06d}{uuid.uuid4().hex[:6]}", source_id=f"s{seed}-{i}",
+                                      line=i + 1, input_ids=ids, loss_mask=[1] * len(ids), truncated=False))
+    return samples
+
+
+def model_facts(model_path: Path) -> dict:
+    config = json.loads((model_path / "config.json").read_text())
+    return {"hidden": config["hidden_size"], "layers": config["num_hidden_layers"], "vocab": config["vocab_size"]}
+
+
+def settings_for(args, facts: dict) -> RetrievalSettings:
+    expected = ExpectedDump(tuple(default_aux_layer_ids(facts["layers"])), facts["hidden"], args.dtype)
+    return RetrievalSettings(url=args.url, rid_prefix=RID_PREFIX, expected=expected, backoff_s=0.1,
+                             dump_wait_s=120.0)
+
+
+def server_info(url: str) -> dict:
+    info = requests.get(f"{url}/server_info", timeout=10).json()
+    return {"version": info.get("version"), "chunked_prefill_size": info.get("chunked_prefill_size"),
+            "disable_radix_cache": info.get("disable_radix_cache"), "dump_writer": info.get("dump_writer")}
+
+
+def run_prefill(args, facts, samples) -> dict:
+    settings = settings_for(args, facts)
+    cached = []
+
+    def send(sample: PreparedSample):
+        with requests.Session() as session:
+            meta = send_generate(settings, sample, f"{RID_PREFIX}{uuid.uuid4().hex}", session)
+        cached.append(int(meta.get("cached_tokens", 0)))
+
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(args.in_flight) as pool:
+        list(pool.map(send, samples))
+    return {"wall_s": time.monotonic() - t0, "written": len(samples), "cached_tokens": sum(cached)}
+
+
+def run_consume(args, facts, samples) -> dict:
+    settings, reader = settings_for(args, facts), DumpReader(args.dump_dir)
+    limit = InFlightLimit(args.in_flight, args.max_dump_bytes_in_flight)
+    session = requests.Session()
+    session.mount("http://", requests.adapters.HTTPAdapter(pool_maxsize=args.in_flight))
+
+    def consume(sample: PreparedSample) -> bool:
+        return not hasattr(extract_with_retries(settings, reader, sample, session, limit), "reason")
+
+    t0 = time.monotonic()
+    with session, ThreadPoolExecutor(args.in_flight) as pool:
+        ok = list(pool.map(consume, samples))
+    return {"wall_s": time.monotonic() - t0, "written": sum(ok), "failed": len(ok) - sum(ok)}
+
+
+def run_extract(args, facts, samples) -> dict:
+    settings, reader = settings_for(args, facts), DumpReader(args.dump_dir)
+    limit = InFlightLimit(args.in_flight, args.max_dump_bytes_in_flight)
+    args.shards.mkdir(parents=True, exist_ok=True)
+    batches = [samples[i:i + args.batch_size] for i in range(0, len(samples), args.batch_size)]
+
+    def batch(index: int) -> tuple[int, int, Path | None]:
+        written, failed = extract_samples(settings, reader, batches[index], limit)
+        path = args.shards / f"{args.label}-{index:04d}.safetensors"
+        if written:
+            write_shard(path, written)
+        return len(written), len(failed), path if written else None
+
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(args.concurrent_batches) as pool:
+        results = list(pool.map(batch, range(len(batches))))
+    wall = time.monotonic() - t0
+    check = check_shards(args, [p for _, _, p in results if p is not None])
+    return {"wall_s": wall, "written": sum(w for w, _, _ in results), "failed": sum(f for _, f, _ in results),
+            **check}
+
+
+@torch.no_grad()
+def check_shards(args, shards: list[Path]) -> dict:
+    """Every sample of the shards against transformers on the GPU; each shard deleted once checked."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    layer_ids = default_aux_layer_ids(model_facts(args.model_path)["layers"])
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    bf16 = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.bfloat16).to(device).eval()
+    fp32 = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float32).to(device).eval()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    worst = {"bf16": [0.0] * 4, "fp32": [0.0] * 4}
+    min_gap, checked, fp32_checked, wrong, examples = [float("inf")] * 3, 0, 0, 0, []
+    t0 = time.monotonic()
+    for path in shards:
+        with safe_open(str(path), framework="pt", device=device) as f:
+            offsets = f.get_tensor("offsets").tolist()
+            ids_all, aux_all, fin_all = (f.get_tensor(n) for n in ("input_ids", "aux_hidden_states", "final_hidden_states"))
+        for a, b in zip(offsets[:-1], offsets[1:]):
+            ids = ids_all[a:b].unsqueeze(0)
+            h = fin_all.shape[1]
+            got = [t.float() for t in aux_all[a:b].split(h, dim=-1)] + [fin_all[a:b].float()]
+            refs = {"bf16": bf16(ids, output_hidden_states=True).hidden_states}
+            if checked % args.fp32_every == 0:
+                refs["fp32"] = fp32(ids, output_hidden_states=True).hidden_states
+                fp32_checked += 1
+            hs = [x[0].float() for x in refs["bf16"]]
+            gaps = [min(float((hs[i] - hs[j]).abs().max()) for j in (i - 1, i + 1)) for i in layer_ids]
+            min_gap = [min(x, y) for x, y in zip(min_gap, gaps)]
+            bad = False
+            for name, ref in refs.items():
+                want = [ref[i][0].float() for i in layer_ids] + [ref[-1][0].float()]
+                errs = [float((g - w).abs().max()) for g, w in zip(got, want)]
+                worst[name] = [max(x, y) for x, y in zip(worst[name], errs)]
+                bad |= any(e > g / 4 for e, g in zip(errs, gaps))
+                if bad and len(examples) < 5:
+                    examples.append({"shard": path.name, "rows": [a, b], "ref": name, "errors": errs, "gaps": gaps})
+            wrong += bad
+            checked += 1
+        path.unlink()
+    return {"checked": checked, "fp32_checked": fp32_checked, "wrong": wrong, "check_s": time.monotonic() - t0,
+            "max_err_bf16_ref": worst["bf16"], "max_err_fp32_ref": worst["fp32"], "min_neighbour_gap": min_gap,
+            "wrong_examples": examples}
+
+
+def report(path: Path) -> str:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    base = next((r["tokens_per_s"] for r in rows if r["phase"] == "prefill"), None)
+    lines = ["| run | phase | samples | written | tokens | tokens/s | vs unpatched | failed attempts (by class) | "
+             "checked (fp32) | wrong |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        rel = f"{r['tokens_per_s'] / base:.0%}" if base else "-"
+        attempts = ", ".join(f"{k} {v}" for k, v in r.get("failed_attempts", {}).items()) or "0"
+        check = f"{r['checked']} ({r['fp32_checked']})" if "checked" in r else "-"
+        lines.append(f"| {r['label']} | {r['phase']} | {r['samples']} | {r['written']} | {r['tokens']:,} | "
+                     f"{r['tokens_per_s']:,.0f} | {rel} | {attempts} | {check} | {r.get('wrong', '-')} |")
+    return "\n".join(lines)
+
+
+PHASES = {"prefill": run_prefill, "consume": run_consume, "extract": run_extract}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
+    build = sub.add_parser("build-model")
+    build.add_argument("out_dir", type=Path)
+    build.add_argument("--hidden", type=int, default=4096)
+    build.add_argument("--intermediate", type=int, default=14336)
+    build.add_argument("--layers", type=int, default=16)
+    build.add_argument("--heads", type=int, default=32)
+    build.add_argument("--kv-heads", type=int, default=8)
+    build.add_argument("--device", default="cuda")
+    rep = sub.add_parser("report")
+    rep.add_argument("results", type=Path)
+    for name in PHASES:
+        p = sub.add_parser(name)
+        p.add_argument("--label", required=True)
+        p.add_argument("--url", default="http://127.0.0.1:30000")
+        p.add_argument("--model-path", type=Path, required=True)
+        p.add_argument("--dump-dir", type=Path)
+        p.add_argument("--shards", type=Path)
+        p.add_argument("--dtype", default="bfloat16")
+        p.add_argument("--samples", type=int, default=1000)
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--min-tokens", type=int, default=128)
+        p.add_argument("--max-tokens", type=int, default=2048)
+        p.add_argument("--in-flight", type=int, default=64)
+        p.add_argument("--max-dump-bytes-in-flight", type=int, default=3 << 30)
+        p.add_argument("--batch-size", type=int, default=100)
+        p.add_argument("--concurrent-batches", type=int, default=4)
+        p.add_argument("--fp32-every", type=int, default=4)
+        p.add_argument("--results", type=Path, required=True)
+    args = ap.parse_args(argv)
+
+    if args.command == "build-model":
+        from infra.tiny_model import build_tiny_model
+        build_tiny_model(args.out_dir, layers=args.layers, hidden=args.hidden, intermediate=args.intermediate,
+                         heads=args.heads, kv_heads=args.kv_heads, device=args.device, dtype=torch.bfloat16)
+        return 0
+    if args.command == "report":
+        print(report(args.results))
+        return 0
+
+    facts = model_facts(args.model_path)
+    samples = make_prompts(args.samples, args.seed, facts["vocab"], args.min_tokens, args.max_tokens)
+    errors = AttemptErrors()
+    logging.getLogger("tasks.retrieval").addHandler(errors)
+    logging.getLogger("tasks.retrieval").propagate = False  # counted, not printed per attempt
+    result = PHASES[args.command](args, facts, samples)
+    tokens = sum(len(s.input_ids) for s in samples)
+    row = {"label": args.label, "phase": args.command, "samples": len(samples), "tokens": tokens,
+           "tokens_per_s": tokens / result["wall_s"], **result, "failed_attempts": dict(errors.counts),
+           "failed_attempt_examples": errors.examples, "in_flight": args.in_flight, "server": server_info(args.url)}
+    with args.results.open("a") as f:
+        f.write(json.dumps(row) + "\n")
+    print(json.dumps({k: v for k, v in row.items() if k != "failed_attempt_examples"}))
+    ok = result["written"] == len(samples) and not errors.counts and not result.get("wrong")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

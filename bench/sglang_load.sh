@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# bench.sglang_load on a GPU node, all phases in one go: unpatched SGLang, then two starts of the
+# patched one (patches.launch). Run from the repository root where SGLang 0.5.17 is installed under
+# $SITE (../shared/notes/sglang-on-h200.md). Everything goes to $RUN (results.jsonl, table.md, logs);
+# `touch $RUN/done` marks the end, so a caller can wait for it across calls.
+set -uo pipefail
+RUN=${RUN:-/root/load}
+SITE=${SITE:-/root/site}
+MODEL=${MODEL:-/root/load-model}
+DUMPS=${DUMPS:-/dev/shm/eagle3}
+SHARDS=${SHARDS:-/root/shards}
+SAMPLES=${SAMPLES:-1000}
+mkdir -p "$RUN" "$DUMPS"
+RESULTS=$RUN/results.jsonl
+log() { echo "[$(date +%T)] $*" | tee -a "$RUN/progress.log"; }
+
+# Built with the node's own transformers, before $SITE shadows it.
+log "building the model"
+python3 -m bench.sglang_load build-model "$MODEL" > "$RUN/model.log" 2>&1 || { log "model build failed"; touch "$RUN/done"; exit 1; }
+export PYTHONPATH=$SITE HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+SERVER_FLAGS=(--model-path "$MODEL" --port 30000 --attention-backend triton --sampling-backend pytorch
+              --chunked-prefill-size 4096 --mem-fraction-static 0.6 --dtype bfloat16)
+COMMON=(--model-path "$MODEL" --dump-dir "$DUMPS" --samples "$SAMPLES" --in-flight 64 --results "$RESULTS")
+
+start() {  # start NAME CMD...: in its own process group, healthy within 400 s
+    local name=$1; shift
+    setsid "$@" > "$RUN/server-$name.log" 2>&1 < /dev/null &
+    SERVER=$!
+    for _ in $(seq 400); do
+        curl -sf http://127.0.0.1:30000/health > /dev/null && { log "$name healthy"; return 0; }
+        kill -0 "$SERVER" 2> /dev/null || { log "$name died"; tail -n 40 "$RUN/server-$name.log"; return 1; }
+        sleep 1
+    done
+    log "$name not healthy after 400 s"; return 1
+}
+stop() {
+    kill -TERM -- "-$SERVER" 2> /dev/null
+    for _ in $(seq 30); do kill -0 "$SERVER" 2> /dev/null || return 0; sleep 1; done
+    kill -KILL -- "-$SERVER" 2> /dev/null
+}
+phase() { log "phase $*"; python3 -m bench.sglang_load "$@" >> "$RUN/phases.log" 2>&1 || log "phase $1 $3 reported a problem"; }
+
+if start unpatched python3 -m sglang.launch_server "${SERVER_FLAGS[@]}"; then
+    phase prefill --label unpatched --seed 0 "${COMMON[@]}"
+fi
+stop
+for run in 1 2; do
+    if start "patched-$run" python3 -m patches.launch --dump-dir "$DUMPS" -- "${SERVER_FLAGS[@]}"; then
+        [ "$run" = 1 ] && phase consume --label "patched-$run" --seed 1 "${COMMON[@]}"
+        phase extract --label "patched-$run" --seed $((run + 1)) --shards "$SHARDS" "${COMMON[@]}"
+        log "leftover dump files: $(ls "$DUMPS" | wc -l)"
+    fi
+    stop
+done
+python3 -m bench.sglang_load report "$RESULTS" > "$RUN/table.md" 2>&1
+log "done"
+touch "$RUN/done"

@@ -1,0 +1,126 @@
+"""Values verified end to end: what the reader accepts is what the forward produced.
+
+The race the H200 found (a device-to-host copy reading memory that the next forward had
+already overwritten) cannot be staged on a CPU, so these tests hand ``capture_pieces`` a
+transfer that does what the racing copy did: it lets "the next forward" write into the
+snapshot before the copy reads it. The reader must refuse every such piece.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from patches.capture import PieceRows, capture_pieces
+from patches.dumps import DumpCorrupt, DumpReader, fold_checksums, piece_checksum, prompt_hash, row_checksums
+from tests.dump_support import LAYERS, H, make_writer
+
+IDS = list(range(300, 340))
+
+
+def forward_rows(n: int, seed: int, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, H, generator=g).to(dtype) for _ in range(len(LAYERS))], torch.randn(n, H, generator=g).to(dtype)
+
+
+def next_forward_overwrites(target: int, rows: slice):
+    """A transfer whose copy reads snapshot tensor ``target`` after a later forward wrote ``rows`` of it."""
+    def transfer(tensors):
+        overwritten = tensors[target].clone()
+        overwritten[rows] = torch.randn(overwritten[rows].shape).to(overwritten.dtype)
+        return [overwritten if i == target else t.clone() for i, t in enumerate(tensors)], None
+    return transfer
+
+
+def capture_two_requests(writer, transfer=None):
+    """One forward with two requests, of 40 and 25 rows."""
+    aux, final = forward_rows(65, seed=1)
+    ids = torch.tensor(IDS + IDS[:25])
+    pieces = [PieceRows("eagle3-a", 0, 0, 40, 40, prompt_hash(IDS)),
+              PieceRows("eagle3-b", 0, 40, 65, 25, prompt_hash(IDS[:25]))]
+    kwargs = {} if transfer is None else {"transfer": transfer}
+    assert capture_pieces(writer, pieces, ids, aux, final, **kwargs) == ["eagle3-a", "eagle3-b"]
+    return aux, final
+
+
+def test_pieces_of_one_forward_read_back_exactly(tmp_path):
+    writer = make_writer(tmp_path)
+    aux, final = capture_two_requests(writer)
+    writer.close()
+    dump = DumpReader(tmp_path).assemble("eagle3-a", IDS)
+    assert torch.equal(dump.aux_hidden_states, torch.cat([a[:40] for a in aux], dim=-1))
+    assert torch.equal(dump.final_hidden_states, final[:40])
+
+
+@pytest.mark.parametrize("target,rows,what", [
+    (1, slice(3, 4), "aux tap 2, aux tap 4, aux tap 5"),  # one row of the first request's three taps
+    (2, slice(45, 65), "final state"),  # the second request's final rows
+    (0, slice(10, 11), "token ids"),    # a later batch's ids in the static input buffer
+])
+def test_a_copy_that_raced_the_next_forward_is_rejected(tmp_path, target, rows, what):
+    writer = make_writer(tmp_path)
+    capture_two_requests(writer, next_forward_overwrites(target, rows))
+    writer.close()
+    hit, spared = ("eagle3-a", "eagle3-b") if rows.start < 40 else ("eagle3-b", "eagle3-a")
+    prompts = {"eagle3-a": IDS, "eagle3-b": IDS[:25]}
+    reader = DumpReader(tmp_path)
+    with pytest.raises(DumpCorrupt, match=f"differ from those the server checksummed at capture \\({what}\\)"):
+        reader.assemble(hit, prompts[hit])
+    reader.assemble(spared, prompts[spared])  # the other request of the forward is intact
+
+
+def test_a_damaged_file_is_rejected(tmp_path):
+    writer = make_writer(tmp_path)
+    capture_two_requests(writer)
+    writer.close()
+    reader = DumpReader(tmp_path)
+    path = reader.piece_paths("eagle3-a")[0]
+    data = bytearray(path.read_bytes())
+    data[-7] ^= 0x01  # one bit of the last final-state value
+    path.write_bytes(bytes(data))
+    with pytest.raises(DumpCorrupt, match="final state"):
+        reader.assemble("eagle3-a", IDS)
+
+
+def test_checksum_sees_swapped_rows_and_agrees_across_summation_orders():
+    aux, final = forward_rows(40, seed=3)
+    ids, packed = torch.tensor(IDS), torch.cat(aux, dim=-1)
+    base = piece_checksum(ids, packed, final, len(LAYERS))
+    swapped = packed.clone()
+    swapped[[4, 9]] = packed[[9, 4]]
+    assert piece_checksum(ids, swapped, final, len(LAYERS)) != base
+    # integer sums wrap modulo 2**64: any order of summation (a GPU's tree, a CPU's loop) gives the same
+    rows = row_checksums(ids, packed, final, len(LAYERS))
+    weights = torch.arange(1, 41).unsqueeze(1)
+    by_hand = [sum(int(v) for v in rows[:, c]) for c in range(rows.shape[1])]
+    by_hand += [sum(int(v) * int(w) for v, w in zip(rows[:, c], weights[:, 0])) for c in range(rows.shape[1])]
+    wrap = [((v + 2**63) % 2**64) - 2**63 for v in by_hand]
+    assert fold_checksums(rows) == wrap == base
+
+
+def test_in_flight_bytes_wait_for_room_instead_of_overfilling_the_writer():
+    import threading
+    import time
+
+    from tasks.retrieval import InFlightLimit
+
+    limit, events = InFlightLimit(max_requests=8, max_bytes=100), []
+
+    def request(name: str, nbytes: int, hold_s: float):
+        with limit.hold(nbytes):
+            events.append(("start", name))
+            time.sleep(hold_s)
+            events.append(("end", name))
+
+    first = threading.Thread(target=request, args=("first", 60, 0.3))
+    first.start()
+    time.sleep(0.05)
+    second = threading.Thread(target=request, args=("second", 60, 0))   # 120 > 100: waits
+    huge = threading.Thread(target=request, args=("huge", 10_000, 0))   # larger than the budget: goes alone
+    second.start()
+    huge.start()
+    for t in (first, second, huge):
+        t.join(5)
+    assert events[:2] == [("start", "first"), ("end", "first")]
+    starts = [e for e in events if e[0] == "start"]
+    assert len(starts) == 3
