@@ -29,7 +29,6 @@ import argparse
 import json
 import logging
 import random
-import threading
 import time
 import uuid
 from collections import Counter

@@ -62,6 +62,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 
@@ -98,6 +99,9 @@ def prompt_hash(token_ids: Sequence[int]) -> str:
 
 
 _INT_VIEW = {2: torch.int16, 4: torch.int32}
+#: per float dtype: the bits of the magnitude, and the smallest magnitude that is Inf or NaN
+_NON_FINITE_BITS = {torch.bfloat16: (0x7FFF, 0x7F80), torch.float16: (0x7FFF, 0x7C00),
+                    torch.float32: (0x7FFFFFFF, 0x7F800000)}
 
 
 def row_checksums(input_ids: torch.Tensor, aux: torch.Tensor, final: torch.Tensor, num_taps: int) -> torch.Tensor:
@@ -108,9 +112,27 @@ def row_checksums(input_ids: torch.Tensor, aux: torch.Tensor, final: torch.Tenso
     """
     rows, h = int(final.shape[0]), int(final.shape[-1])
     view = _INT_VIEW[final.element_size()]
-    taps = aux.reshape(rows, num_taps, h).view(view).sum(dim=-1, dtype=torch.int64)
-    return torch.cat([input_ids.reshape(rows, 1).to(torch.int64), taps,
-                      final.view(view).sum(dim=-1, dtype=torch.int64).reshape(rows, 1)], dim=1)
+    states = [aux.reshape(rows, num_taps, h).view(view), final.reshape(rows, 1, h).view(view)]
+    sums = [_int_row_sums(t) for t in states]
+    return torch.cat([input_ids.reshape(rows, 1).to(torch.int64), *sums], dim=1)
+
+
+def _int_row_sums(bits: torch.Tensor) -> torch.Tensor:
+    """``bits.sum(dim=-1)`` as int64, exactly. On the CPU through numpy, ~10x faster than torch's
+    widening sum here (the reader checks GB/s); a 16-bit row of <= 65536 values fits int32."""
+    if bits.is_cuda:
+        return bits.sum(dim=-1, dtype=torch.int64)
+    acc = np.int32 if bits.element_size() == 2 and bits.shape[-1] <= 65536 else np.int64
+    return torch.from_numpy(bits.numpy().sum(axis=-1, dtype=acc).astype(np.int64, copy=False))
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """No Inf or NaN in the float tensor ``t``; on the CPU a bit test through numpy (~10x torch.isfinite)."""
+    if t.is_cuda or t.numel() == 0:
+        return bool(torch.isfinite(t).all())
+    mask, limit = _NON_FINITE_BITS[t.dtype]
+    bits = t.contiguous().view(_INT_VIEW[t.element_size()]).numpy()
+    return int(np.bitwise_and(bits, mask).max()) < limit
 
 
 def fold_checksums(rows: torch.Tensor) -> list[int]:
@@ -547,14 +569,15 @@ class DumpReader:
                                   f"at [{p.chunk_start},{p.chunk_end})")
             aux_parts.append(tensors["aux_hidden_states"])
             final_parts.append(tensors["final_hidden_states"])
-        aux, final = torch.cat(aux_parts), torch.cat(final_parts)
+        # one piece (a prompt within the chunk size) needs no copy
+        aux, final = (aux_parts[0], final_parts[0]) if len(prefill) == 1 else (torch.cat(aux_parts), torch.cat(final_parts))
         meta = prefill[0].meta
         layer_ids = json.loads(meta["layer_ids"])
         h = final.shape[1] if final.dim() == 2 else -1
         if final.shape != (total, h) or aux.shape != (total, len(layer_ids) * h):
             raise DumpCorrupt(rid, self.dump_dir, f"shapes aux {tuple(aux.shape)} final {tuple(final.shape)} do not fit "
                               f"{total} tokens x {len(layer_ids)} aux layers")
-        if not (torch.isfinite(aux).all() and torch.isfinite(final).all()):
+        if not (all_finite(aux) and all_finite(final)):
             raise DumpCorrupt(rid, self.dump_dir, "hidden states hold NaN or Inf")
         return AssembledDump(rid, ids, aux, final, layer_ids, meta["layer_convention"], meta["final_norm"],
                              meta["dtype"], meta["model"], tuple(p.path for p in infos))

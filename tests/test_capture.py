@@ -124,3 +124,19 @@ def test_in_flight_bytes_wait_for_room_instead_of_overfilling_the_writer():
     assert events[:2] == [("start", "first"), ("end", "first")]
     starts = [e for e in events if e[0] == "start"]
     assert len(starts) == 3
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_readers_fast_path_gives_the_gpus_integers(dtype):
+    """The GPU computes row sums with torch; the CPU reader through numpy: the same integers."""
+    from patches.dumps import _int_row_sums, all_finite
+
+    aux, final = forward_rows(50, seed=4, dtype=dtype)
+    packed = torch.cat(aux, dim=-1).reshape(50, len(LAYERS), H)
+    bits = packed.view({2: torch.int16, 4: torch.int32}[packed.element_size()])
+    assert torch.equal(_int_row_sums(bits), bits.sum(dim=-1, dtype=torch.int64))  # torch: the GPU's path
+    assert all_finite(packed)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        broken = packed.clone()
+        broken[7, 1, 3] = bad
+        assert not all_finite(broken)
