@@ -139,7 +139,7 @@ def run_extract(args, facts, samples) -> dict:
     wall = time.monotonic() - t0
     check = check_shards(args, [p for _, _, p in results if p is not None])
     return {"wall_s": wall, "written": sum(w for w, _, _ in results), "failed": sum(f for _, f, _ in results),
-            **check}
+            "shards_dir": str(args.shards), **check}
 
 
 @torch.no_grad()

@@ -10,6 +10,9 @@ MODEL=${MODEL:-/root/load-model}
 DUMPS=${DUMPS:-/dev/shm/eagle3}
 SHARDS=${SHARDS:-/root/shards}
 SAMPLES=${SAMPLES:-1000}
+UNPATCHED=${UNPATCHED:-1}   # 0: skip the unpatched baseline
+RUNS=${RUNS:-1 2}           # patched server starts
+CONSUME=${CONSUME:-1}       # 0: no consume-only phase
 mkdir -p "$RUN" "$DUMPS"
 RESULTS=$RUN/results.jsonl
 log() { echo "[$(date +%T)] $*" | tee -a "$RUN/progress.log"; }
@@ -41,13 +44,15 @@ stop() {
 }
 phase() { log "phase $*"; python3 -m bench.sglang_load "$@" >> "$RUN/phases.log" 2>&1 || log "phase $1 $3 reported a problem"; }
 
-if start unpatched python3 -m sglang.launch_server "${SERVER_FLAGS[@]}"; then
-    phase prefill --label unpatched --seed 0 "${COMMON[@]}"
+if [ "$UNPATCHED" = 1 ]; then
+    if start unpatched python3 -m sglang.launch_server "${SERVER_FLAGS[@]}"; then
+        phase prefill --label unpatched --seed 0 "${COMMON[@]}"
+    fi
+    stop
 fi
-stop
-for run in 1 2; do
+for run in $RUNS; do
     if start "patched-$run" python3 -m patches.launch --dump-dir "$DUMPS" -- "${SERVER_FLAGS[@]}"; then
-        [ "$run" = 1 ] && phase consume --label "patched-$run" --seed 1 "${COMMON[@]}"
+        [ "$CONSUME" = 1 ] && [ "$run" = 1 ] && phase consume --label "patched-$run" --seed 1 "${COMMON[@]}"
         phase extract --label "patched-$run" --seed $((run + 1)) --shards "$SHARDS" "${COMMON[@]}"
         log "leftover dump files: $(ls "$DUMPS" | wc -l)"
     fi
