@@ -38,6 +38,7 @@ from tasks.retrieval import ExpectedDump, RetrievalSettings, SampleError, Sample
 from tasks.steps import consolidate_step, extract_batch_step, prepare_step, retry_sample_step
 from tasks.shards import read_shard_index
 from tasks.training_set import DatasetInfo
+from tasks.vocab_mapping import draft_vocab_size_for
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_PROMPTS = REPO / "data" / "demo_prompts.jsonl"
@@ -77,7 +78,12 @@ class ExtractParameters(BaseModel):
     aux_layers: list[int] | None = Field(None, title="Aux layers (HF hidden_states indices)",
                                          description="Empty: the EAGLE-3 default [2, N//2, N-3].")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", title="--dtype")
-    exports: list[Literal["specforge", "speculators", "modelopt"]] = Field(["specforge"], title="Trainer exports")
+    exports: list[Literal["specforge", "speculators", "modelopt"]] = Field(
+        [], title="Trainer exports", description="Written next to the shards, a second copy of the data; "
+                                                 "`python -m tasks.exports` writes them on demand instead.")
+    draft_vocab_size: int | None = Field(None, title="--draft-vocab-size", ge=1,
+                                         description="Draft vocabulary of the d2t/t2d mapping; empty: 32000, "
+                                                     "or the target's vocabulary when smaller.")
 
 
 def resolve_model(params: ExtractParameters) -> Path:
@@ -106,11 +112,12 @@ def extract(params: ExtractParameters = ExtractParameters()) -> dict:
 
     info = DatasetInfo(model=facts.name, layer_ids=list(config.layer_ids), layer_convention=config.layer_convention,
                        final_norm=config.final_norm, dtype=config.dtype, hidden_size=facts.hidden_size,
-                       num_layers=facts.num_layers, template_hash=config.template_hash,
+                       num_layers=facts.num_layers, vocab_size=facts.vocab_size, template_hash=config.template_hash,
                        max_length=config.max_length, project_version=PROJECT_VERSION,
                        fingerprint=config.fingerprint())
     # An export that cannot be made from this data must fail now, not after hours of extraction.
     check_exports(params.exports, info)
+    draft_vocab_size_for(info, params.draft_vocab_size)
 
     prepared = prepare_step(Path(params.prompts), tokenizer, params.max_length, params.on_overlong)
     write_rejects(vdir / "rejects.jsonl", prepared.rejected)
@@ -134,7 +141,7 @@ def extract(params: ExtractParameters = ExtractParameters()) -> dict:
 
     failed_keys = {f.sample_key for f in failures}
     keep = {s.sample_key for s in prepared.samples if s.sample_key not in failed_keys}
-    consolidated = consolidate_step(vdir, info, keep, list(params.exports))
+    consolidated = consolidate_step(vdir, info, keep, list(params.exports), params.draft_vocab_size)
 
     summary = {
         "run": run_id, "version": config.fingerprint(), "version_dir": str(vdir),
@@ -249,6 +256,7 @@ def parse_args(argv: list[str] | None = None) -> ExtractParameters:
     p.add_argument("--aux-layers", type=int, nargs=3, default=None, metavar="ID")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=d.dtype)
     p.add_argument("--exports", nargs="*", default=d.exports, choices=["specforge", "speculators", "modelopt"])
+    p.add_argument("--draft-vocab-size", type=int, default=None)
     p.add_argument("--chunked-prefill-size", type=int, default=None)
     p.add_argument("--disable-radix-cache", action="store_true")
     p.add_argument("--skip-server-warmup", action="store_true")
@@ -262,7 +270,8 @@ def parse_args(argv: list[str] | None = None) -> ExtractParameters:
                              concurrent_batches=a.concurrent_batches, attempts=a.attempts,
                              sample_retries=a.sample_retries, backoff_s=a.backoff_s, max_length=a.max_length,
                              on_overlong=a.on_overlong,
-                             aux_layers=a.aux_layers, dtype=a.dtype, exports=a.exports)
+                             aux_layers=a.aux_layers, dtype=a.dtype, exports=a.exports,
+                             draft_vocab_size=a.draft_vocab_size)
 
 
 if __name__ == "__main__":

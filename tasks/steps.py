@@ -16,12 +16,13 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import task_run as current_task_run
 
 from patches.dumps import DumpReader
+from tasks.consolidation import ConsolidationSummary, consolidate
 from tasks.prompts import PreparedPrompts, prepare_prompts
 from tasks.retrieval import (ConfigMismatch, PermanentFailure, RetrievalSettings, SampleError, SampleFailure,
                              extract_one, extract_samples)
 from tasks.samples import PreparedSample
 from tasks.shards import ShardSummary, write_shard
-from tasks.training_set import ConsolidationSummary, DatasetInfo, consolidate
+from tasks.training_set import DatasetInfo
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,6 @@ def retry_sample_step(sample: PreparedSample, failure: SampleFailure, settings: 
 
 
 @task(name="consolidate", cache_policy=NO_CACHE)
-def consolidate_step(version_dir: Path, info: DatasetInfo, keep_keys: set[str],
-                     exports: list[str]) -> ConsolidationSummary:
-    return consolidate(version_dir, info, keep_keys=keep_keys, exports=exports)
+def consolidate_step(version_dir: Path, info: DatasetInfo, keep_keys: set[str], exports: list[str],
+                     draft_vocab_size: int | None) -> ConsolidationSummary:
+    return consolidate(version_dir, info, keep_keys=keep_keys, exports=exports, draft_vocab_size=draft_vocab_size)

@@ -21,9 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from tasks.consolidation import consolidate
 from tasks.exports import EXPORT_INDEX_NAME, ExportUnsupported, check_exports
 from tasks.shards import write_shard
-from tasks.training_set import TrainingSetDataset, consolidate
+from tasks.training_set import TrainingSetDataset
 from tests.test_training_set import LAYERS, make_info, make_sample, shard_path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -87,7 +88,10 @@ def version_dir(tmp_path) -> Path:
 
 
 def export_index(version_dir: Path, name: str) -> dict:
-    return json.loads((version_dir / "exports" / name / EXPORT_INDEX_NAME).read_text())
+    """The index log replayed by hand: its header, and each key's last line."""
+    header, *records = (json.loads(line) for line in
+                        (version_dir / "exports" / name / EXPORT_INDEX_NAME).read_text().splitlines())
+    return {**header, "samples": {r["key"]: r for r in records}}
 
 
 def read_with_specforge(specforge, export_dir: Path, max_len: int = 4096) -> dict[str, dict]:

@@ -19,11 +19,12 @@ from safetensors.torch import load_file
 
 from tasks.samples import TrainingSample
 from tasks.shards import InvalidSample, ShardCorrupt, content_hash, list_shards, read_shard_index, write_shard
-from tasks.training_set import (DatasetInfo, MissingSamples, SchemaMismatch, TrainingSetDataset, consolidate,
-                                read_dataset_info)
+from tasks.consolidation import MissingSamples, SchemaMismatch, consolidate
+from tasks.training_set import DatasetInfo, TrainingSetDataset, read_dataset_info
 
 HIDDEN = 16
 LAYERS = [2, 4, 5]
+VOCAB = 1000  # make_sample's token ids are below it
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -32,14 +33,14 @@ def make_sample(key: str, tokens: int, seed: int, dtype: torch.dtype = torch.bfl
     g = torch.Generator().manual_seed(seed)
     mask = torch.randint(0, 2, (tokens,), generator=g)
     return TrainingSample(sample_key=key, source_id=f"conv-{key}",
-                          input_ids=torch.randint(0, 1000, (tokens,), generator=g), loss_mask=mask,
+                          input_ids=torch.randint(0, VOCAB, (tokens,), generator=g), loss_mask=mask,
                           aux_hidden_states=torch.randn(tokens, len(LAYERS) * hidden, generator=g).to(dtype),
                           final_hidden_states=torch.randn(tokens, hidden, generator=g).to(dtype))
 
 
 def make_info(dtype: str = "bfloat16", hidden: int = HIDDEN) -> DatasetInfo:
     return DatasetInfo(model="synthetic", layer_ids=LAYERS, layer_convention="hf_hidden_states_index",
-                       final_norm="post_norm", dtype=dtype, hidden_size=hidden, num_layers=8,
+                       final_norm="post_norm", dtype=dtype, hidden_size=hidden, num_layers=8, vocab_size=VOCAB,
                        template_hash="t" * 16, max_length=64, project_version="0.1.0", fingerprint="f" * 16)
 
 
