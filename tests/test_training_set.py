@@ -189,6 +189,8 @@ def test_loader_returns_exactly_the_written_tensors(tmp_path):
             assert item["aux_hidden_states"].dtype == torch.bfloat16
             assert torch.equal(item["aux_hidden_states"], want.aux_hidden_states)
             assert torch.equal(item["hidden_states"], want.final_hidden_states)
+            for t in item.values():  # its own rows, not a view of the shard (torch.save would write all of it)
+                assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
     with pytest.raises(IndexError):
         dataset[3]
     batches = list(torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=1))
