@@ -5,7 +5,7 @@
 Writes the SpecForge and ModelOpt exports on demand (python -m tasks.exports) where they
 are missing, then prints one markdown row per configuration: bytes on disk (file sizes
 under the folders), bytes per token, and that over the tensor bytes a trainer reads
-(ids, mask, aux and final states). The native store is the shards plus the manifest,
+(ids, mask, aux and final states in the extracted dtype). The native store is the shards plus the manifest,
 dataset.json and the vocabulary files.
 """
 
@@ -31,11 +31,12 @@ def rows(version_dir: Path) -> list[str]:
             run_export(name, version_dir)
     tokens, tensor_bytes = data["tokens"], data["bytes"]
     native = sum(tree_bytes(p) for p in version_dir.iterdir() if p.name not in ("exports", "runs", "rejects.jsonl"))
-    configs = [(f"native shards only (default), {data['dtype']}", native)]
-    for name in EXPORTS:
+    dtype = data["dtype"] if data["store_dtype"] == data["dtype"] else f"{data['dtype']} stored as {data['store_dtype']}"
+    configs = [(f"native shards only (default), {dtype}", native)]
+    for name in EXPORTS:  # exports hold the extracted dtype: their trainers' readers do not dequantize
         export = tree_bytes(version_dir / "exports" / name)
-        configs.append((f"{name} export alone ({data['dtype']})", export))
-        configs.append((f"native + {name} export (`--exports {name}`), {data['dtype']}", native + export))
+        configs.append((f"{name} export alone, {data['dtype']}", export))
+        configs.append((f"native + {name} export (`--exports {name}`), {dtype}", native + export))
     return [f"| {label} | {size:,} | {size / tokens:,.0f} | {size / tensor_bytes:.3f} |" for label, size in configs]
 
 

@@ -81,6 +81,9 @@ class ExtractParameters(BaseModel):
     exports: list[Literal["specforge", "speculators", "modelopt"]] = Field(
         [], title="Trainer exports", description="Written next to the shards, a second copy of the data; "
                                                  "`python -m tasks.exports` writes them on demand instead.")
+    store_dtype: Literal["float8_e4m3fn"] | None = Field(
+        None, title="--store-dtype", description="Empty: store the hidden states in --dtype; float8_e4m3fn: "
+                                                 "half of bf16's bytes, per-token scales (see README).")
     draft_vocab_size: int | None = Field(None, title="--draft-vocab-size", ge=1,
                                          description="Draft vocabulary of the d2t/t2d mapping; empty: 32000, "
                                                      "or the target's vocabulary when smaller.")
@@ -105,13 +108,14 @@ def extract(params: ExtractParameters = ExtractParameters()) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     facts = read_model_facts(model_path)
     config = extraction_config(facts, params.aux_layers, params.dtype, template_hash(tokenizer),
-                               params.max_length, params.on_overlong)
+                               params.max_length, params.on_overlong, params.store_dtype)
     vdir = version_dir(out, config)
     (vdir / "shards").mkdir(parents=True, exist_ok=True)
     log.info("dataset version %s in %s", config.fingerprint(), vdir)
 
     info = DatasetInfo(model=facts.name, layer_ids=list(config.layer_ids), layer_convention=config.layer_convention,
-                       final_norm=config.final_norm, dtype=config.dtype, hidden_size=facts.hidden_size,
+                       final_norm=config.final_norm, dtype=config.dtype, store_dtype=config.store_dtype,
+                       hidden_size=facts.hidden_size,
                        num_layers=facts.num_layers, vocab_size=facts.vocab_size, template_hash=config.template_hash,
                        max_length=config.max_length, project_version=PROJECT_VERSION,
                        fingerprint=config.fingerprint())
@@ -199,7 +203,8 @@ def run_extraction(params: ExtractParameters, model_path: Path, out: Path, vdir:
             futures = [runner.submit(extract_batch_step, parameters=dict(
                 index=i, samples=quote(batch), settings=settings, dump_dir=dump_dir,
                 shard_path=vdir / "shards" / f"shard-{run_id}-{i:05d}.safetensors",
-                max_in_flight=params.max_in_flight, in_flight=in_flight, on_done=bar.update))
+                max_in_flight=params.max_in_flight, in_flight=in_flight, on_done=bar.update,
+                store_dtype=params.store_dtype))
                 for i, batch in enumerate(batches)]
             wait(futures)
             results = [f.result() for f in futures]
@@ -211,7 +216,8 @@ def run_extraction(params: ExtractParameters, model_path: Path, out: Path, vdir:
             retry = retry_sample_step.with_options(retries=params.sample_retries,
                                                    retry_delay_seconds=exponential_backoff(params.backoff_s))
             pending = [(f, retry.submit(quote(by_key[f.sample_key]), f, settings, dump_dir,
-                                        vdir / "shards" / f"shard-{run_id}-retry-{n:05d}.safetensors"))
+                                        vdir / "shards" / f"shard-{run_id}-retry-{n:05d}.safetensors",
+                                        params.store_dtype))
                        for n, f in enumerate(stragglers)]
             wait([p for _, p in pending])
             for first, future in pending:
@@ -256,6 +262,7 @@ def parse_args(argv: list[str] | None = None) -> ExtractParameters:
     p.add_argument("--aux-layers", type=int, nargs=3, default=None, metavar="ID")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=d.dtype)
     p.add_argument("--exports", nargs="*", default=d.exports, choices=["specforge", "speculators", "modelopt"])
+    p.add_argument("--store-dtype", choices=["float8_e4m3fn"], default=None)
     p.add_argument("--draft-vocab-size", type=int, default=None)
     p.add_argument("--chunked-prefill-size", type=int, default=None)
     p.add_argument("--disable-radix-cache", action="store_true")
@@ -271,7 +278,7 @@ def parse_args(argv: list[str] | None = None) -> ExtractParameters:
                              sample_retries=a.sample_retries, backoff_s=a.backoff_s, max_length=a.max_length,
                              on_overlong=a.on_overlong,
                              aux_layers=a.aux_layers, dtype=a.dtype, exports=a.exports,
-                             draft_vocab_size=a.draft_vocab_size)
+                             store_dtype=a.store_dtype, draft_vocab_size=a.draft_vocab_size)
 
 
 if __name__ == "__main__":

@@ -88,7 +88,7 @@ def consolidate(version_dir: Path, info: DatasetInfo, keep_keys: set[str] | None
 
 def _check_layout(shard: Path, info: DatasetInfo) -> None:
     layout = read_shard_layout(shard)
-    want = {"dtype": info.dtype, "hidden_size": info.hidden_size,
+    want = {"dtype": info.dtype, "store_dtype": info.store_dtype, "hidden_size": info.hidden_size,
             "aux_width": len(info.layer_ids) * info.hidden_size}
     if layout != want:
         raise SchemaMismatch(f"shard {shard} holds {layout}; dataset version {info.fingerprint} expects {want}")

@@ -36,7 +36,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from tasks.dataset_version import SCHEMA_VERSION
-from tasks.shards import HIDDEN_DTYPES, ShardCorrupt, TrainingSetError
+from tasks.shards import HIDDEN_DTYPES, QUANTIZED_DTYPES, ShardCorrupt, TrainingSetError, dequantize_per_token
 
 DATASET_FORMAT = "eagle3-training-set"
 MANIFEST_NAME = "manifest.parquet"
@@ -57,7 +57,8 @@ class DatasetInfo:
     layer_ids: list[int]
     layer_convention: str   # patches.dumps.LAYER_CONVENTION: ids index HF hidden_states (input of layer i)
     final_norm: str         # "post_norm": final_hidden_states are after the model's final norm
-    dtype: str
+    dtype: str              # the hidden states' dtype as extracted, and as the loader hands them out
+    store_dtype: str        # as the shards store them: dtype, or float8_e4m3fn with per-token scales
     hidden_size: int
     num_layers: int
     vocab_size: int         # the target's vocabulary (lm_head rows): the draft vocabulary mapping's range
@@ -136,8 +137,8 @@ class TrainingSetDataset(torch.utils.data.Dataset):
 
     Only the manifest is read up front; a sample's rows are sliced out of its memory-mapped
     shard on access. Items: input_ids, loss_mask (int64 [T]), aux_hidden_states [T, k*H],
-    hidden_states [T, H] (post-norm final). Safe to hand to DataLoader workers: open shard
-    handles are not pickled.
+    hidden_states [T, H] (post-norm final), in ``info.dtype`` (float8 shards are dequantized).
+    Safe to hand to DataLoader workers: open shard handles are not pickled.
     """
 
     def __init__(self, version_dir: Path | str, open_shards: int = 64):
@@ -148,6 +149,7 @@ class TrainingSetDataset(torch.utils.data.Dataset):
         self._start = self.manifest["offset_start"].to_list()
         self._end = self.manifest["offset_end"].to_list()
         self._open_shards = open_shards
+        self._quantized = self.info.store_dtype in QUANTIZED_DTYPES
         self._handles: OrderedDict[str, object] = OrderedDict()
 
     def __len__(self) -> int:
@@ -162,10 +164,13 @@ class TrainingSetDataset(torch.utils.data.Dataset):
             # A slice of a memory-mapped shard shares the storage of the whole shard tensor;
             # torch.save and the pickling to DataLoader workers would carry all of it. A
             # clone holds exactly the sample's rows.
-            return {"input_ids": f.get_slice("input_ids")[start:end].clone(),
-                    "loss_mask": f.get_slice("loss_mask")[start:end].clone(),
-                    "aux_hidden_states": f.get_slice("aux_hidden_states")[start:end].clone(),
-                    "hidden_states": f.get_slice("final_hidden_states")[start:end].clone()}
+            item = {"input_ids": f.get_slice("input_ids")[start:end].clone(),
+                    "loss_mask": f.get_slice("loss_mask")[start:end].clone()}
+            for name, column in (("aux_hidden_states", "aux"), ("hidden_states", "final")):
+                stored = f.get_slice(f"{column}_hidden_states")[start:end]
+                item[name] = dequantize_per_token(stored, f.get_slice(f"{column}_scales")[start:end],
+                                                  self.info.torch_dtype) if self._quantized else stored.clone()
+            return item
         except SafetensorError as exc:
             raise ShardCorrupt(f"shard {self.version_dir / 'shards' / name}: cannot read rows [{start}, {end}) "
                                f"of sample {self.manifest['sample_key'][index]}: {exc}") from exc
