@@ -115,13 +115,7 @@ def write_shard(path: Path, samples: list[TrainingSample], store_dtype: str | No
     lengths = [int(s.input_ids.numel()) for s in samples]
     offsets = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0)
     total = int(offsets[-1])
-    if store_dtype is None:
-        stored = [(s.aux_hidden_states, s.final_hidden_states) for s in samples]
-    else:
-        groups = aux_width // hidden
-        stored = [(*quantize_per_token(s.aux_hidden_states, groups), *quantize_per_token(s.final_hidden_states, 1))
-                  for s in samples]
-        stored = [(aux, final, aux_scales, final_scales) for aux, aux_scales, final, final_scales in stored]
+    stored = [_stored_tensors(s, store_dtype, aux_width // hidden) for s in samples]
     entries = [{"sample_key": s.sample_key, "source_id": s.source_id, "num_supervised": int(s.loss_mask.sum()),
                 "content_hash": content_hash(s.input_ids, s.loss_mask, *tensors)}
                for s, tensors in zip(samples, stored)]
@@ -208,6 +202,15 @@ def dequantize_per_token(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dty
     """The inverse of quantize_per_token, in ``dtype``."""
     rows = q.float().reshape(q.shape[0], scales.shape[1], -1) * scales.unsqueeze(-1)
     return rows.reshape(q.shape).to(dtype)
+
+
+def _stored_tensors(s: TrainingSample, store_dtype: str | None, layers: int) -> tuple[torch.Tensor, ...]:
+    """(aux, final) as they are, or quantized: (aux, final, aux_scales, final_scales)."""
+    if store_dtype is None:
+        return s.aux_hidden_states, s.final_hidden_states
+    aux, aux_scales = quantize_per_token(s.aux_hidden_states, layers)
+    final, final_scales = quantize_per_token(s.final_hidden_states, 1)
+    return aux, final, aux_scales, final_scales
 
 
 def _read_header(path: Path) -> tuple[dict, list[int]]:
