@@ -357,3 +357,17 @@ def test_vocab_mapping_against_an_independent_count_and_the_trainers_code(tmp_pa
     # More draft ids than supervised ones: padded with the lowest unused ids, as the trainers do.
     consolidate(tmp_path, make_info(), exports=["specforge"], draft_vocab_size=VOCAB - 1)
     check([*samples, heavy], VOCAB - 1)
+
+
+def test_export_index_is_rewritten_only_when_superseded_lines_outnumber_live_ones(tmp_path):
+    from tasks.exports.writer import ExportIndex
+
+    info = make_info()
+    with ExportIndex.load(tmp_path, "specforge", info) as index:
+        for n in range(1500):  # one sample's file rewritten 1500 times: 1500 lines, one live
+            index.record("k-a", 0, "rows_0-2000/data_0.ckpt", f"hash-{n}", n)
+    assert len((tmp_path / EXPORT_INDEX_NAME).read_text().splitlines()) == 1501
+    reloaded = ExportIndex.load(tmp_path, "specforge", info)
+    assert reloaded.entries == {"k-a": {"idx": 0, "file": "rows_0-2000/data_0.ckpt", "content_hash": "hash-1499",
+                                        "bytes": 1499}}
+    assert len((tmp_path / EXPORT_INDEX_NAME).read_text().splitlines()) == 2  # header and the live line
