@@ -12,8 +12,9 @@ A dataset version folder (``{out}/versions/{fingerprint}/``, see tasks.dataset_v
 dataset.json is written last by each step that adds files (tasks.consolidation, the export
 command): it names only what is on disk and matches the manifest. ``exports`` lists the
 export folders that do (any other folder under exports/ is from an earlier manifest);
-``vocab_mapping`` says the draft and target vocabulary sizes and the files' names, or is
-null.
+``vocab_mapping`` says the draft and target vocabulary sizes, the share of supervised tokens
+the draft vocabulary covers, and the files' names. ``store_dtype`` says how the shards store
+the hidden states (tasks.shards).
 
 Shards: tasks.shards.
 
