@@ -37,6 +37,7 @@ from tasks.retrieval import ExpectedDump, InFlightLimit, RetrievalSettings, Samp
 from tasks.steps import consolidate_step, extract_batch_step, prepare_step, retry_sample_step
 from tasks.shards import read_shard_index
 from tasks.training_set import DatasetInfo
+from tasks.vocab_mapping import draft_vocab_size_for
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_PROMPTS = REPO / "data" / "demo_prompts.jsonl"
@@ -80,7 +81,15 @@ class ExtractParameters(BaseModel):
     aux_layers: list[int] | None = Field(None, title="Aux layers (HF hidden_states indices)",
                                          description="Empty: the EAGLE-3 default [2, N//2, N-3].")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", title="--dtype")
-    exports: list[Literal["specforge", "speculators", "modelopt"]] = Field(["specforge"], title="Trainer exports")
+    exports: list[Literal["specforge", "speculators", "modelopt"]] = Field(
+        [], title="Trainer exports", description="Written next to the shards, a second copy of the data; "
+                                                 "`python -m tasks.exports` writes them on demand instead.")
+    store_dtype: Literal["float8_e4m3fn"] | None = Field(
+        None, title="--store-dtype", description="Empty: store the hidden states in --dtype; float8_e4m3fn: "
+                                                 "half of bf16's bytes, per-token scales (see README).")
+    draft_vocab_size: int | None = Field(None, title="--draft-vocab-size", ge=1,
+                                         description="Draft vocabulary of the d2t/t2d mapping; empty: 32000, "
+                                                     "or the target's vocabulary when smaller.")
 
 
 def resolve_model(params: ExtractParameters) -> Path:
@@ -102,18 +111,20 @@ def extract(params: ExtractParameters = ExtractParameters()) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     facts = read_model_facts(model_path)
     config = extraction_config(facts, params.aux_layers, params.dtype, template_hash(tokenizer),
-                               params.max_length, params.on_overlong)
+                               params.max_length, params.on_overlong, params.store_dtype)
     vdir = version_dir(out, config)
     (vdir / "shards").mkdir(parents=True, exist_ok=True)
     log.info("dataset version %s in %s", config.fingerprint(), vdir)
 
     info = DatasetInfo(model=facts.name, layer_ids=list(config.layer_ids), layer_convention=config.layer_convention,
-                       final_norm=config.final_norm, dtype=config.dtype, hidden_size=facts.hidden_size,
-                       num_layers=facts.num_layers, template_hash=config.template_hash,
+                       final_norm=config.final_norm, dtype=config.dtype, store_dtype=config.store_dtype,
+                       hidden_size=facts.hidden_size,
+                       num_layers=facts.num_layers, vocab_size=facts.vocab_size, template_hash=config.template_hash,
                        max_length=config.max_length, project_version=PROJECT_VERSION,
                        fingerprint=config.fingerprint())
     # An export that cannot be made from this data must fail now, not after hours of extraction.
     check_exports(params.exports, info)
+    draft_vocab_size_for(info, params.draft_vocab_size)
 
     prepared = prepare_step(Path(params.prompts), tokenizer, params.max_length, params.on_overlong)
     write_rejects(vdir / "rejects.jsonl", prepared.rejected)
@@ -137,7 +148,7 @@ def extract(params: ExtractParameters = ExtractParameters()) -> dict:
 
     failed_keys = {f.sample_key for f in failures}
     keep = {s.sample_key for s in prepared.samples if s.sample_key not in failed_keys}
-    consolidated = consolidate_step(vdir, info, keep, list(params.exports))
+    consolidated = consolidate_step(vdir, info, keep, list(params.exports), params.draft_vocab_size)
 
     summary = {
         "run": run_id, "version": config.fingerprint(), "version_dir": str(vdir),
@@ -195,7 +206,7 @@ def run_extraction(params: ExtractParameters, model_path: Path, out: Path, vdir:
             futures = [runner.submit(extract_batch_step, parameters=dict(
                 index=i, samples=quote(batch), settings=settings, dump_dir=dump_dir,
                 shard_path=vdir / "shards" / f"shard-{run_id}-{i:05d}.safetensors",
-                limit=limit, on_done=bar.update))
+                limit=limit, on_done=bar.update, store_dtype=params.store_dtype))
                 for i, batch in enumerate(batches)]
             wait(futures)
             results = [f.result() for f in futures]
@@ -207,7 +218,8 @@ def run_extraction(params: ExtractParameters, model_path: Path, out: Path, vdir:
             retry = retry_sample_step.with_options(retries=params.sample_retries,
                                                    retry_delay_seconds=exponential_backoff(params.backoff_s))
             pending = [(f, retry.submit(quote(by_key[f.sample_key]), f, settings, dump_dir,
-                                        vdir / "shards" / f"shard-{run_id}-retry-{n:05d}.safetensors"))
+                                        vdir / "shards" / f"shard-{run_id}-retry-{n:05d}.safetensors",
+                                        params.store_dtype))
                        for n, f in enumerate(stragglers)]
             wait([p for _, p in pending])
             for first, future in pending:
@@ -253,6 +265,8 @@ def parse_args(argv: list[str] | None = None) -> ExtractParameters:
     p.add_argument("--aux-layers", type=int, nargs=3, default=None, metavar="ID")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=d.dtype)
     p.add_argument("--exports", nargs="*", default=d.exports, choices=["specforge", "speculators", "modelopt"])
+    p.add_argument("--store-dtype", choices=["float8_e4m3fn"], default=None)
+    p.add_argument("--draft-vocab-size", type=int, default=None)
     p.add_argument("--chunked-prefill-size", type=int, default=None)
     p.add_argument("--disable-radix-cache", action="store_true")
     p.add_argument("--skip-server-warmup", action="store_true")
@@ -267,7 +281,8 @@ def parse_args(argv: list[str] | None = None) -> ExtractParameters:
                              concurrent_batches=a.concurrent_batches, attempts=a.attempts,
                              sample_retries=a.sample_retries, backoff_s=a.backoff_s, max_length=a.max_length,
                              on_overlong=a.on_overlong,
-                             aux_layers=a.aux_layers, dtype=a.dtype, exports=a.exports)
+                             aux_layers=a.aux_layers, dtype=a.dtype, exports=a.exports,
+                             store_dtype=a.store_dtype, draft_vocab_size=a.draft_vocab_size)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ from typing import BinaryIO, Sequence
 import torch
 
 SAFETENSORS_DTYPES = {torch.int64: "I64", torch.int32: "I32", torch.float32: "F32", torch.bfloat16: "BF16",
-                      torch.float16: "F16", torch.uint8: "U8"}
+                      torch.float16: "F16", torch.uint8: "U8",
+                      torch.float8_e4m3fn: "F8_E4M3"}
 
 #: (name, dtype, shape, parts): the parts' bytes, back to back, are the tensor's data
 Column = tuple[str, torch.dtype, Sequence[int], Sequence[torch.Tensor]]

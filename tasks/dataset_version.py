@@ -65,6 +65,7 @@ class ExtractionConfig:
     layer_convention: str
     final_norm: str
     dtype: str
+    store_dtype: str        # dtype, or a quantized storage dtype (tasks.shards.QUANTIZED_DTYPES)
     template_hash: str
     max_length: int
     on_overlong: str
@@ -76,15 +77,15 @@ class ExtractionConfig:
 
 
 def extraction_config(model: ModelFacts, layer_ids: list[int] | None, dtype: str, template_hash: str,
-                      max_length: int, on_overlong: str) -> ExtractionConfig:
+                      max_length: int, on_overlong: str, store_dtype: str | None = None) -> ExtractionConfig:
     layers = tuple(layer_ids) if layer_ids else tuple(default_aux_layer_ids(model.num_layers))
     # hidden_states[N] is the final state after the norm, not a residual stream: not an aux tap.
     bad = [i for i in layers if not 1 <= i < model.num_layers]
     if bad or len(set(layers)) != len(layers):
         raise ValueError(f"aux layer ids {list(layers)} must be distinct HF hidden_states indices in "
                          f"1..{model.num_layers - 1} (model {model.name} has {model.num_layers} layers)")
-    return ExtractionConfig(model.identity, layers, LAYER_CONVENTION, FINAL_NORM, dtype, template_hash,
-                            max_length, on_overlong)
+    return ExtractionConfig(model.identity, layers, LAYER_CONVENTION, FINAL_NORM, dtype, store_dtype or dtype,
+                            template_hash, max_length, on_overlong)
 
 
 def version_dir(out: Path, config: ExtractionConfig) -> Path:

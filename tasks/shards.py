@@ -8,14 +8,24 @@ concatenated along the token axis in header order::
     input_ids            int64 [N]        N = sum of the samples' token counts
     loss_mask            int64 [N]        0/1, 1 = the draft is trained to predict this token
     offsets              int64 [n+1]      sample i is rows offsets[i]:offsets[i+1]
-    aux_hidden_states    dtype [N, k*H]   residual stream entering the k aux layers, concatenated
-    final_hidden_states  dtype [N, H]     last layer's output AFTER the model's final norm
+    aux_hidden_states    store [N, k*H]   residual stream entering the k aux layers, concatenated
+    final_hidden_states  store [N, H]     last layer's output AFTER the model's final norm
+    aux_scales           float32 [N, k]   only when store is float8_e4m3fn, see below
+    final_scales         float32 [N, 1]   idem
 
 Metadata (string header): ``format == "eagle3-training-shard"``, ``version`` (SCHEMA_VERSION),
-``dtype``, ``hidden_size``, ``aux_width`` (k*H), and ``samples``: a JSON list, in offset order,
-of ``{"sample_key", "source_id", "num_supervised", "content_hash"}``. ``content_hash`` covers
-the dtype, shapes and bytes of the sample's four tensors: the exports use it to tell an
-up-to-date file from a stale one without reading it.
+``dtype`` (the hidden states' dtype as extracted), ``store_dtype`` (as stored: ``dtype``, or
+``float8_e4m3fn``), ``hidden_size``, ``aux_width`` (k*H), and ``samples``: a JSON list, in
+offset order, of ``{"sample_key", "source_id", "num_supervised", "content_hash"}``.
+``content_hash`` covers the dtype, shapes and bytes of the sample's stored tensors (ids,
+mask, aux, final, then the scales when quantized): the exports use it to tell an up-to-date
+file from a stale one without reading it.
+
+float8_e4m3fn storage (``write_shard(..., store_dtype="float8_e4m3fn")``), per-token scales as
+speculators' FP8 backend (PR #1028) but one scale per aux layer: each token's H values of one
+layer are divided by ``scale = max|value| / 448`` (448: e4m3fn's largest finite value) and
+rounded to float8; ``value ~= float8 * scale`` (``dequantize_per_token``). Half the bytes of
+bf16; the reconstruction error is in the README.
 
 Shards appear atomically (a dot-named ``.tmp`` file in the same folder, then a rename), so a
 crash leaves either the whole shard or none. A sample key may sit in several shards (a rerun
@@ -43,6 +53,8 @@ SHARD_FORMAT = "eagle3-training-shard"
 SHARD_SUFFIX = ".safetensors"
 
 HIDDEN_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: quantized storage dtypes (per-token scales); the loader hands out the extracted dtype again
+QUANTIZED_DTYPES = {"float8_e4m3fn": torch.float8_e4m3fn}
 
 
 # --------------------------------------------------------------------------- errors
@@ -76,40 +88,49 @@ class ShardSummary:
     sample_keys: list[str]
 
 
-def content_hash(input_ids: torch.Tensor, loss_mask: torch.Tensor, aux: torch.Tensor, final: torch.Tensor) -> str:
-    """sha256 (32 hex chars) over each tensor's dtype, shape and bytes, in this order."""
+def content_hash(*tensors: torch.Tensor) -> str:
+    """sha256 (32 hex chars) over each tensor's dtype, shape and bytes, in the order given."""
     h = hashlib.sha256()
-    for t in (input_ids, loss_mask, aux, final):
+    for t in tensors:
         h.update(f"{t.dtype}{tuple(t.shape)};".encode())
         h.update(byte_view(t))
     return h.hexdigest()[:32]
 
 
-def write_shard(path: Path, samples: list[TrainingSample]) -> ShardSummary:
+def write_shard(path: Path, samples: list[TrainingSample], store_dtype: str | None = None) -> ShardSummary:
     """Write the samples as one shard, atomically. Returns what the shard holds.
 
     The file is streamed tensor by tensor from the samples' own memory, so a batch's
     hidden states are never held twice (torch.cat or safetensors' save would copy them).
+    ``store_dtype``: None stores the samples' dtype; "float8_e4m3fn" quantizes (module docstring).
     """
     path = Path(path)
     if not samples:
         raise TrainingSetError(f"shard {path}: no samples to write")
     dtype, hidden, aux_width = _check_samples(path, samples)
+    if store_dtype is not None and store_dtype not in QUANTIZED_DTYPES:
+        raise TrainingSetError(f"shard {path}: unknown store dtype {store_dtype!r}; known: {list(QUANTIZED_DTYPES)}")
     lengths = [int(s.input_ids.numel()) for s in samples]
     offsets = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0)
     total = int(offsets[-1])
+    stored = [_stored_tensors(s, store_dtype, aux_width // hidden) for s in samples]
     entries = [{"sample_key": s.sample_key, "source_id": s.source_id, "num_supervised": int(s.loss_mask.sum()),
-                "content_hash": content_hash(s.input_ids, s.loss_mask, s.aux_hidden_states, s.final_hidden_states)}
-               for s in samples]
+                "content_hash": content_hash(s.input_ids, s.loss_mask, *tensors)}
+               for s, tensors in zip(samples, stored)]
+    store = dtype if store_dtype is None else QUANTIZED_DTYPES[store_dtype]
     metadata = {"format": SHARD_FORMAT, "version": str(SCHEMA_VERSION), "dtype": _dtype_name(dtype),
-                "hidden_size": str(hidden), "aux_width": str(aux_width), "samples": json.dumps(entries)}
+                "store_dtype": _dtype_name(store), "hidden_size": str(hidden), "aux_width": str(aux_width),
+                "samples": json.dumps(entries)}
     columns = [  # (name, dtype, shape, parts): parts are written back to back
         ("input_ids", torch.int64, [total], [s.input_ids for s in samples]),
         ("loss_mask", torch.int64, [total], [s.loss_mask for s in samples]),
         ("offsets", torch.int64, [len(samples) + 1], [offsets]),
-        ("aux_hidden_states", dtype, [total, aux_width], [s.aux_hidden_states for s in samples]),
-        ("final_hidden_states", dtype, [total, hidden], [s.final_hidden_states for s in samples]),
+        ("aux_hidden_states", store, [total, aux_width], [t[0] for t in stored]),
+        ("final_hidden_states", store, [total, hidden], [t[1] for t in stored]),
     ]
+    if store_dtype is not None:
+        columns += [("aux_scales", torch.float32, [total, aux_width // hidden], [t[2] for t in stored]),
+                    ("final_scales", torch.float32, [total, 1], [t[3] for t in stored])]
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
     try:
         with open(tmp, "wb") as f:
@@ -145,13 +166,37 @@ def read_shard_index(path: Path | str) -> list[dict]:
 
 
 def read_shard_layout(path: Path | str) -> dict:
-    """The shard's dtype, hidden_size and aux_width, from its header."""
+    """The shard's dtype, store_dtype, hidden_size and aux_width, from its header."""
     path = Path(path)
     meta, _ = _read_header(path)
     try:
-        return {"dtype": meta["dtype"], "hidden_size": int(meta["hidden_size"]), "aux_width": int(meta["aux_width"])}
+        return {"dtype": meta["dtype"], "store_dtype": meta["store_dtype"], "hidden_size": int(meta["hidden_size"]),
+                "aux_width": int(meta["aux_width"])}
     except (KeyError, ValueError) as exc:
-        raise ShardCorrupt(f"shard {path}: no dtype/hidden_size/aux_width in its header: {exc}") from exc
+        raise ShardCorrupt(f"shard {path}: no dtype/store_dtype/hidden_size/aux_width in its header: {exc}") from exc
+
+
+def quantize_per_token(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, groups*H] -> (float8_e4m3fn [T, groups*H], float32 scales [T, groups]); see the module docstring."""
+    rows = x.detach().float().reshape(x.shape[0], groups, -1)
+    fp8_max = torch.finfo(torch.float8_e4m3fn).max
+    scales = (rows.abs().amax(-1) / fp8_max).clamp_min(torch.finfo(torch.float32).tiny)  # an all-zero row stays 0
+    return (rows / scales.unsqueeze(-1)).to(torch.float8_e4m3fn).reshape(x.shape), scales
+
+
+def dequantize_per_token(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The inverse of quantize_per_token, in ``dtype``."""
+    rows = q.float().reshape(q.shape[0], scales.shape[1], -1) * scales.unsqueeze(-1)
+    return rows.reshape(q.shape).to(dtype)
+
+
+def _stored_tensors(s: TrainingSample, store_dtype: str | None, layers: int) -> tuple[torch.Tensor, ...]:
+    """(aux, final) as they are, or quantized: (aux, final, aux_scales, final_scales)."""
+    if store_dtype is None:
+        return s.aux_hidden_states, s.final_hidden_states
+    aux, aux_scales = quantize_per_token(s.aux_hidden_states, layers)
+    final, final_scales = quantize_per_token(s.final_hidden_states, 1)
+    return aux, final, aux_scales, final_scales
 
 
 def _read_header(path: Path) -> tuple[dict, list[int]]:

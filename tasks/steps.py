@@ -15,12 +15,13 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import task_run as current_task_run
 
 from patches.dumps import DumpReader
+from tasks.consolidation import ConsolidationSummary, consolidate
 from tasks.prompts import PreparedPrompts, prepare_prompts
 from tasks.retrieval import (ConfigMismatch, InFlightLimit, PermanentFailure, RetrievalSettings, SampleError, SampleFailure,
                              extract_one, extract_samples)
 from tasks.samples import PreparedSample
 from tasks.shards import ShardSummary, write_shard
-from tasks.training_set import ConsolidationSummary, DatasetInfo, consolidate
+from tasks.training_set import DatasetInfo
 
 
 @dataclass(frozen=True)
@@ -38,13 +39,13 @@ def prepare_step(prompts: Path, tokenizer, max_length: int, on_overlong: str) ->
 @task(name="extract-batch", task_run_name="batch-{index:04d}", cache_policy=NO_CACHE)
 def extract_batch_step(index: int, samples: list[PreparedSample], settings: RetrievalSettings, dump_dir: Path,
                        shard_path: Path, limit: InFlightLimit,
-                       on_done: Callable[[], None] | None = None) -> BatchResult:
+                       on_done: Callable[[], None] | None = None, store_dtype: str | None = None) -> BatchResult:
     """Extract one batch and write its shard. A configuration mismatch fails the batch (and the run)."""
     written, failed = extract_samples(settings, DumpReader(dump_dir), samples, limit, on_done)
     mismatch = next((f for f in failed if f.error == ConfigMismatch.__name__), None)
     if mismatch is not None:
         raise ConfigMismatch(mismatch.sample_key, mismatch.source_id, mismatch.reason)
-    shard = write_shard(shard_path, written) if written else None
+    shard = write_shard(shard_path, written, store_dtype) if written else None
     return BatchResult(index, shard, failed)
 
 
@@ -57,7 +58,7 @@ def _retry_if_retryable(task, task_run, state) -> bool:
 @task(name="retry-sample", task_run_name="sample-{sample.source_id}", cache_policy=NO_CACHE,
       retry_jitter_factor=0.5, retry_condition_fn=_retry_if_retryable)
 def retry_sample_step(sample: PreparedSample, failure: SampleFailure, settings: RetrievalSettings, dump_dir: Path,
-                      shard_path: Path) -> ShardSummary:
+                      shard_path: Path, store_dtype: str | None = None) -> ShardSummary:
     """A sample its batch could not extract, as its own graph node: one attempt per Prefect try.
 
     A permanent failure (bad input) is not sent again: the node fails at once with its reason.
@@ -67,10 +68,10 @@ def retry_sample_step(sample: PreparedSample, failure: SampleFailure, settings: 
     attempt = failure.attempts + current_task_run.run_count
     with requests.Session() as session:
         extracted = extract_one(settings, DumpReader(dump_dir), sample, attempt, session)
-    return write_shard(shard_path, [extracted])
+    return write_shard(shard_path, [extracted], store_dtype)
 
 
 @task(name="consolidate", cache_policy=NO_CACHE)
-def consolidate_step(version_dir: Path, info: DatasetInfo, keep_keys: set[str],
-                     exports: list[str]) -> ConsolidationSummary:
-    return consolidate(version_dir, info, keep_keys=keep_keys, exports=exports)
+def consolidate_step(version_dir: Path, info: DatasetInfo, keep_keys: set[str], exports: list[str],
+                     draft_vocab_size: int | None) -> ConsolidationSummary:
+    return consolidate(version_dir, info, keep_keys=keep_keys, exports=exports, draft_vocab_size=draft_vocab_size)

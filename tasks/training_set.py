@@ -4,10 +4,17 @@ A dataset version folder (``{out}/versions/{fingerprint}/``, see tasks.dataset_v
 
     shards/{name}.safetensors   one per extraction batch, written once, never modified
     manifest.parquet            one row per sample of the dataset (what a trainer reads)
-    dataset.json                DatasetInfo, counts, schema version
-    exports/{trainer}/          the same samples in a trainer's own format (tasks.exports); the
-                                folders dataset.json's "exports" names match the manifest, any
-                                other is from an earlier consolidation
+    dataset.json                DatasetInfo, counts, schema version, and what else is on disk
+    vocab_mapping.pt            SpecForge's draft vocabulary mapping (tasks.vocab_mapping)
+    token_freq.pt               speculators' supervised token frequencies (tasks.vocab_mapping)
+    exports/{trainer}/          the same samples in a trainer's own format (tasks.exports)
+
+dataset.json is written last by each step that adds files (tasks.consolidation, the export
+command): it names only what is on disk and matches the manifest. ``exports`` lists the
+export folders that do (any other folder under exports/ is from an earlier manifest);
+``vocab_mapping`` says the draft and target vocabulary sizes, the share of supervised tokens
+the draft vocabulary covers, and the files' names. ``store_dtype`` says how the shards store
+the hidden states (tasks.shards).
 
 Shards: tasks.shards.
 
@@ -21,23 +28,16 @@ import json
 import os
 import uuid
 from collections import OrderedDict
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable
 
 import polars as pl
 import torch
 from safetensors import SafetensorError, safe_open
 
 from tasks.dataset_version import SCHEMA_VERSION
-from tasks.shards import (
-    HIDDEN_DTYPES,
-    ShardCorrupt,
-    TrainingSetError,
-    list_shards,
-    read_shard_index,
-    read_shard_layout,
-)
+from tasks.shards import HIDDEN_DTYPES, QUANTIZED_DTYPES, ShardCorrupt, TrainingSetError, dequantize_per_token
 
 DATASET_FORMAT = "eagle3-training-set"
 MANIFEST_NAME = "manifest.parquet"
@@ -49,18 +49,6 @@ MANIFEST_SCHEMA = {
 }
 
 
-
-# --------------------------------------------------------------------------- errors
-
-
-class SchemaMismatch(TrainingSetError):
-    """Shards of one version disagree with the version's DatasetInfo (dtype, widths)."""
-
-
-class MissingSamples(TrainingSetError):
-    """Samples the caller wants in the dataset are in no shard."""
-
-
 # --------------------------------------------------------------------------- dataset metadata
 
 
@@ -70,9 +58,11 @@ class DatasetInfo:
     layer_ids: list[int]
     layer_convention: str   # patches.dumps.LAYER_CONVENTION: ids index HF hidden_states (input of layer i)
     final_norm: str         # "post_norm": final_hidden_states are after the model's final norm
-    dtype: str
+    dtype: str              # the hidden states' dtype as extracted, and as the loader hands them out
+    store_dtype: str        # as the shards store them: dtype, or float8_e4m3fn with per-token scales
     hidden_size: int
     num_layers: int
+    vocab_size: int         # the target's vocabulary (lm_head rows): the draft vocabulary mapping's range
     template_hash: str
     max_length: int
     project_version: str
@@ -81,29 +71,6 @@ class DatasetInfo:
     @property
     def torch_dtype(self) -> torch.dtype:
         return HIDDEN_DTYPES[self.dtype]
-
-
-@dataclass(frozen=True)
-class ExportSummary:
-    name: str
-    path: str
-    samples: int
-    written: int
-    unchanged: int
-    removed: int
-
-
-@dataclass(frozen=True)
-class ConsolidationSummary:
-    version_dir: str
-    samples: int
-    tokens: int
-    supervised_tokens: int
-    bytes: int            # tensor bytes of the manifest's samples (what a trainer reads)
-    shards: int
-    duplicates: int       # sample copies in more than one shard, left out of the manifest
-    left_out: int         # samples in shards but not in keep_keys
-    exports: dict[str, ExportSummary] = field(default_factory=dict)
 
 
 def read_dataset_json(version_dir: Path) -> dict:
@@ -120,7 +87,18 @@ def read_dataset_json(version_dir: Path) -> dict:
 
 def read_dataset_info(version_dir: Path) -> DatasetInfo:
     data = read_dataset_json(version_dir)
+    missing = [name for name in DatasetInfo.__dataclass_fields__ if name not in data]
+    if missing:
+        raise TrainingSetError(f"{Path(version_dir) / DATASET_INFO_NAME} lacks {missing}; consolidate the version "
+                               f"again (python -m flows.extract with the same parameters) to rewrite it")
     return DatasetInfo(**{name: data[name] for name in DatasetInfo.__dataclass_fields__})
+
+
+def write_dataset_json(version_dir: Path, data: dict) -> None:
+    """Replace dataset.json atomically; callers write it after the files it names."""
+    data = {"format": DATASET_FORMAT, "schema_version": SCHEMA_VERSION, **data}
+    atomic_write(Path(version_dir) / DATASET_INFO_NAME,
+                 lambda tmp: tmp.write_text(json.dumps(data, indent=2) + "\n"))
 
 
 def read_manifest(version_dir: Path) -> pl.DataFrame:
@@ -137,67 +115,12 @@ def sample_bytes(num_tokens: int, info: DatasetInfo) -> int:
     return num_tokens * (16 + width * info.torch_dtype.itemsize)
 
 
-# --------------------------------------------------------------------------- consolidation
+def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
+    """``write(tmp_path)`` then rename over ``path``: readers see the old file or the new one, whole.
 
-
-def consolidate(version_dir: Path, info: DatasetInfo, keep_keys: set[str] | None = None,
-                exports: Sequence[str] = ("specforge",)) -> ConsolidationSummary:
-    """Build the manifest and dataset.json from the version's shards, then the trainer exports.
-
-    ``keep_keys``: the samples of the dataset (None: every sample in the shards); samples in
-    shards but not in it are left out of the manifest and the exports, their shards untouched.
-    Each export is checked against ``info`` before anything is written.
+    The temporary name is dot-named and ends in .tmp, which neither our readers nor any
+    trainer's reader collects.
     """
-    from tasks.exports import (  # exports derive from this module
-        check_exports,
-        run_export,
-    )
-
-    version_dir = Path(version_dir)
-    check_exports(exports, info)
-    rows = []
-    for shard in list_shards(version_dir):
-        _check_layout(shard, info)
-        rows.extend(read_shard_index(shard))
-    found = pl.DataFrame(rows, schema=MANIFEST_SCHEMA)
-    unique = found.unique(subset="sample_key", keep="first", maintain_order=True)  # shards are in name order
-    if keep_keys is None:
-        manifest = unique
-    else:
-        manifest = unique.filter(pl.col("sample_key").is_in(list(keep_keys)))
-        missing = set(keep_keys) - set(manifest["sample_key"].to_list())
-        if missing:
-            raise MissingSamples(f"{version_dir}: {len(missing)} of the {len(keep_keys)} samples to keep are in no "
-                                 f"shard, e.g. {sorted(missing)[:3]}")
-    manifest = manifest.sort("sample_key")
-    tokens = int(manifest["num_tokens"].sum())
-    supervised = int(manifest["num_supervised"].sum())
-    summary = ConsolidationSummary(
-        version_dir=str(version_dir), samples=manifest.height, tokens=tokens, supervised_tokens=supervised,
-        bytes=sample_bytes(tokens, info), shards=manifest["shard"].n_unique(),
-        duplicates=found.height - unique.height, left_out=unique.height - manifest.height)
-
-    _atomic_write(version_dir / MANIFEST_NAME, manifest.write_parquet)
-    dataset = {"format": DATASET_FORMAT, "schema_version": SCHEMA_VERSION, **asdict(info),
-               "samples": summary.samples, "tokens": tokens, "supervised_tokens": supervised,
-               "bytes": summary.bytes, "shards": sorted(set(manifest["shard"].to_list())),
-               "exports": list(exports)}
-    _atomic_write(version_dir / DATASET_INFO_NAME,
-                  lambda p: Path(p).write_text(json.dumps(dataset, indent=2) + "\n"))
-    done = {name: run_export(name, version_dir) for name in exports}
-    return ConsolidationSummary(**{**asdict(summary), "exports": done})
-
-
-def _check_layout(shard: Path, info: DatasetInfo) -> None:
-    layout = read_shard_layout(shard)
-    want = {"dtype": info.dtype, "hidden_size": info.hidden_size,
-            "aux_width": len(info.layer_ids) * info.hidden_size}
-    if layout != want:
-        raise SchemaMismatch(f"shard {shard} holds {layout}; dataset version {info.fingerprint} expects {want}")
-
-
-def _atomic_write(path: Path, write) -> None:
-    """``write(tmp_path)`` then rename over ``path``: readers see the old file or the new one."""
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
     try:
         write(tmp)
@@ -215,8 +138,8 @@ class TrainingSetDataset(torch.utils.data.Dataset):
 
     Only the manifest is read up front; a sample's rows are sliced out of its memory-mapped
     shard on access. Items: input_ids, loss_mask (int64 [T]), aux_hidden_states [T, k*H],
-    hidden_states [T, H] (post-norm final). Safe to hand to DataLoader workers: open shard
-    handles are not pickled.
+    hidden_states [T, H] (post-norm final), in ``info.dtype`` (float8 shards are dequantized).
+    Safe to hand to DataLoader workers: open shard handles are not pickled.
     """
 
     def __init__(self, version_dir: Path | str, open_shards: int = 64):
@@ -227,6 +150,7 @@ class TrainingSetDataset(torch.utils.data.Dataset):
         self._start = self.manifest["offset_start"].to_list()
         self._end = self.manifest["offset_end"].to_list()
         self._open_shards = open_shards
+        self._quantized = self.info.store_dtype in QUANTIZED_DTYPES
         self._handles: OrderedDict[str, object] = OrderedDict()
 
     def __len__(self) -> int:
@@ -238,10 +162,16 @@ class TrainingSetDataset(torch.utils.data.Dataset):
         name, start, end = self._shard[index], self._start[index], self._end[index]
         f = self._handle(name)
         try:
-            return {"input_ids": f.get_slice("input_ids")[start:end],
-                    "loss_mask": f.get_slice("loss_mask")[start:end],
-                    "aux_hidden_states": f.get_slice("aux_hidden_states")[start:end],
-                    "hidden_states": f.get_slice("final_hidden_states")[start:end]}
+            # A slice of a memory-mapped shard shares the storage of the whole shard tensor;
+            # torch.save and the pickling to DataLoader workers would carry all of it. A
+            # clone holds exactly the sample's rows.
+            item = {"input_ids": f.get_slice("input_ids")[start:end].clone(),
+                    "loss_mask": f.get_slice("loss_mask")[start:end].clone()}
+            for name, column in (("aux_hidden_states", "aux"), ("hidden_states", "final")):
+                stored = f.get_slice(f"{column}_hidden_states")[start:end]
+                item[name] = dequantize_per_token(stored, f.get_slice(f"{column}_scales")[start:end],
+                                                  self.info.torch_dtype) if self._quantized else stored.clone()
+            return item
         except SafetensorError as exc:
             raise ShardCorrupt(f"shard {self.version_dir / 'shards' / name}: cannot read rows [{start}, {end}) "
                                f"of sample {self.manifest['sample_key'][index]}: {exc}") from exc

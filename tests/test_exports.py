@@ -6,27 +6,33 @@ reader modules import with nothing but torch, so they are imported as a package.
 package __init__ pulls in omegaconf and much more, so its two modules that the offline
 dataset needs (eagle/utils.py and utils/loss_mask.py, which import only torch and
 transformers) are loaded from their files. speculators cannot take our data at all (see
-tasks.exports); its released trainer source is checked for the fact that decision rests on.
+tasks.exports.speculators); its released trainer source is checked for the fact that decision
+rests on, and its vocabulary-mapping function checks ours.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import json
 import subprocess
 import sys
+import textwrap
 import zipfile
+from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
+from tasks.consolidation import consolidate
 from tasks.exports import EXPORT_INDEX_NAME, ExportUnsupported, check_exports
 from tasks.shards import write_shard
-from tasks.training_set import TrainingSetDataset, consolidate
-from tests.test_training_set import LAYERS, make_info, make_sample, shard_path
+from tasks.training_set import TrainingSetDataset, read_dataset_json, sample_bytes
+from tasks.vocab_mapping import TOKEN_FREQ_NAME, VOCAB_MAPPING_NAME
+from tests.test_training_set import LAYERS, REPO, VOCAB, make_info, make_sample, shard_path
 
-REPO = Path(__file__).resolve().parent.parent
 READERS = REPO / "build" / "trainer-readers"
 SPECFORGE = "specforge==0.2.0"
 MODELOPT = "nvidia-modelopt==0.47.0"
@@ -87,7 +93,10 @@ def version_dir(tmp_path) -> Path:
 
 
 def export_index(version_dir: Path, name: str) -> dict:
-    return json.loads((version_dir / "exports" / name / EXPORT_INDEX_NAME).read_text())
+    """The index log replayed by hand: its header, and each key's last line."""
+    header, *records = (json.loads(line) for line in
+                        (version_dir / "exports" / name / EXPORT_INDEX_NAME).read_text().splitlines())
+    return {**header, "samples": {r["key"]: r for r in records}}
 
 
 def read_with_specforge(specforge, export_dir: Path, max_len: int = 4096) -> dict[str, dict]:
@@ -191,3 +200,173 @@ def test_speculators_export_is_refused_before_anything_is_written(version_dir):
     with pytest.raises(ExportUnsupported):
         consolidate(version_dir, make_info(), exports=["specforge", "speculators"])
     assert not (version_dir / "manifest.parquet").exists() and not (version_dir / "exports").exists()
+
+
+@pytest.mark.parametrize("name", ["specforge", "modelopt"])
+def test_each_export_file_holds_only_its_sample(tmp_path, name):
+    # Shards of several samples: a file saved from a view of its shard would carry the whole shard.
+    samples = [make_sample(f"k{i}", n, i, hidden=256) for i, n in enumerate([139, 300, 57, 200])]
+    write_shard(shard_path(tmp_path, "shard-1"), samples[:3])
+    write_shard(shard_path(tmp_path, "shard-2"), samples[3:])
+    info = make_info(hidden=256)
+    consolidate(tmp_path, info, exports=[name])
+    files = files_by_key(tmp_path, name)
+    assert sorted(files) == ["k0", "k1", "k2", "k3"]
+    for sample in samples:
+        path = files[sample.sample_key]
+        own = sample_bytes(sample.input_ids.numel(), info)  # ids, mask, aux and final states of this sample
+        raw = torch.load(path, weights_only=True)
+        assert sum(t.numel() * t.element_size() for t in raw.values() if isinstance(t, torch.Tensor)) == own
+        assert own <= path.stat().st_size <= own * 1.03, (sample.sample_key, path.stat().st_size, own)
+
+
+# Consolidates with a SpecForge export under a file-size limit that one sample's file exceeds
+# (SIGXFSZ ignored: the write fails with EFBIG, like a full disk).
+_DISK_FULL_CHILD = textwrap.dedent("""
+    import resource, signal, sys
+    from pathlib import Path
+    sys.path[:0] = [{repo!r}, {tests!r}]
+    from test_training_set import make_info
+    from tasks.consolidation import consolidate
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    consolidate(Path({version_dir!r}), make_info(hidden=256), exports=["specforge"])
+""")
+
+
+def test_metadata_never_claims_export_files_a_failed_write_left_out(tmp_path, specforge):
+    # k-c's file (~1.2 MB) is over the limit; k-a and k-b, before it in manifest order, fit.
+    write_shard(shard_path(tmp_path, "shard-1"), [make_sample("k-a", 100, 1, hidden=256),
+                                                  make_sample("k-c", 600, 3, hidden=256)])
+    write_shard(shard_path(tmp_path, "shard-2"), [make_sample("k-b", 120, 2, hidden=256),
+                                                  make_sample("k-d", 80, 4, hidden=256)])
+    child = subprocess.run([sys.executable, "-c", _DISK_FULL_CHILD.format(
+        repo=str(REPO), tests=str(REPO / "tests"), version_dir=str(tmp_path))],
+        capture_output=True, text=True, timeout=120)
+    assert child.returncode == 1, child.stdout + child.stderr
+    assert "ExportError" in child.stderr and "'k-c'" in child.stderr, child.stderr
+
+    export_dir = tmp_path / "exports" / "specforge"
+    assert read_dataset_json(tmp_path)["exports"] == []  # the export is not complete: not listed
+    claimed = files_by_key(tmp_path, "specforge")
+    assert sorted(claimed) == ["k-a", "k-b"]
+    entries = export_index(tmp_path, "specforge")["samples"]
+    for key, path in claimed.items():
+        assert path.stat().st_size == entries[key]["bytes"]
+    assert sorted(export_dir.rglob("*.ckpt")) == sorted(claimed.values())
+    assert not list(export_dir.rglob("*.tmp"))  # the failed write's temporary file is gone
+
+    summary = consolidate(tmp_path, make_info(hidden=256), exports=["specforge"]).exports["specforge"]
+    assert (summary.written, summary.unchanged) == (2, 2)
+    assert read_dataset_json(tmp_path)["exports"] == ["specforge"]
+    assert len(read_with_specforge(specforge, export_dir)) == 4
+
+
+def test_export_index_is_appended_to_and_survives_a_torn_line(version_dir):
+    consolidate(version_dir, make_info(), exports=["specforge"])
+    path = version_dir / "exports" / "specforge" / EXPORT_INDEX_NAME
+    before, inode = path.read_bytes(), path.stat().st_ino
+    write_shard(shard_path(version_dir, "shard-3"), [make_sample("k-d", 4, 4)])
+    assert consolidate(version_dir, make_info(), exports=["specforge"]).exports["specforge"].written == 1
+    after = path.read_bytes()
+    assert path.stat().st_ino == inode and after.startswith(before)  # the same file, appended to
+    assert json.loads(after[len(before):]) == {**export_index(version_dir, "specforge")["samples"]["k-d"],
+                                               "key": "k-d", "idx": 3, "file": "rows_0-2000/data_3.ckpt"}
+
+    # A crash in the middle of k-d's line: the line is dropped, k-d's file rewritten under its number.
+    path.write_bytes(after[:-10])
+    summary = consolidate(version_dir, make_info(), exports=["specforge"]).exports["specforge"]
+    assert (summary.written, summary.unchanged, summary.removed) == (1, 3, 0)
+    assert files_by_key(version_dir, "specforge")["k-d"].name == "data_3.ckpt"
+    assert path.read_bytes().endswith(b"\n")
+
+
+def test_exports_on_demand_from_the_shards(version_dir, specforge):
+    consolidate(version_dir, make_info())  # by default no export: the shards are the one copy
+    assert not (version_dir / "exports").exists() and read_dataset_json(version_dir)["exports"] == []
+    run = subprocess.run([sys.executable, "-m", "tasks.exports", str(version_dir), "specforge"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)[0]["written"] == 3
+    assert read_dataset_json(version_dir)["exports"] == ["specforge"]
+    assert len(read_with_specforge(specforge, version_dir / "exports" / "specforge")) == 3
+    refused = subprocess.run([sys.executable, "-m", "tasks.exports", str(version_dir), "speculators"], cwd=REPO,
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 1 and "ExportUnsupported" in refused.stderr
+
+
+def released_function(requirement: str, module_path: str, name: str):
+    """One function taken alone from a released module whose imports cannot all be met here."""
+    path = released(requirement) / module_path
+    node = next(n for n in ast.parse(path.read_text()).body if isinstance(n, ast.FunctionDef) and n.name == name)
+    namespace = {"torch": torch}
+    exec(compile(ast.Module(body=[node], type_ignores=[]), str(path), "exec"), namespace)
+    return namespace[name]
+
+
+def test_vocab_mapping_against_an_independent_count_and_the_trainers_code(tmp_path, specforge):
+    # speculators' train/vocab_mapping.py imports HF datasets (not installed): its function alone.
+    speculators_mapping = released_function(SPECULATORS, "speculators/train/vocab_mapping.py",
+                                            "build_vocab_mappings_from_distribution")
+    sys.path.insert(0, str(released(SPECFORGE)))
+    try:
+        from specforge.core.compact_teacher import validate_vocab_mapping_consistency
+        from specforge.training.vocab_mapping import count_effective_feature_tokens
+    finally:
+        sys.path.remove(str(released(SPECFORGE)))
+
+    samples = [make_sample(f"k{i}", 150, i) for i in range(6)]
+    write_shard(shard_path(tmp_path, "shard-1"), samples[:4])
+    write_shard(shard_path(tmp_path, "shard-2"), samples[4:])
+    summary = consolidate(tmp_path, make_info(), exports=["specforge"], draft_vocab_size=64)
+
+    def check(samples: list, draft: int) -> dict[int, int]:
+        counted = Counter()
+        for s in samples:
+            counted.update(s.input_ids[s.loss_mask.bool()].tolist())
+        freq = torch.load(tmp_path / TOKEN_FREQ_NAME, weights_only=True)
+        assert freq == dict(counted)  # speculators' token_freq.pt: {id: count} of supervised tokens
+        # SpecForge counts the same from its own export files.
+        assert dict(count_effective_feature_tokens(str(tmp_path / "exports" / "specforge"))) == dict(counted)
+        mapping = torch.load(tmp_path / VOCAB_MAPPING_NAME, weights_only=True)
+        d2t, t2d = mapping["d2t"], mapping["t2d"]
+        assert (d2t.dtype, tuple(d2t.shape), t2d.dtype, tuple(t2d.shape)) == (torch.int64, (draft,), torch.bool,
+                                                                               (VOCAB,))
+        validate_vocab_mapping_consistency(t2d, d2t)  # nonzero(t2d) == d2t + arange
+        want_d2t, want_t2d = speculators_mapping(dict(counted), draft, VOCAB)
+        assert torch.equal(d2t, want_d2t) and torch.equal(t2d, want_t2d)
+        kept = sorted(counted, key=lambda t: (-counted[t], t))[:draft]  # by count, ties to the lower id
+        kept += [t for t in range(VOCAB) if t not in counted][:draft - len(kept)]  # then the lowest unused
+        assert torch.nonzero(t2d).flatten().tolist() == sorted(kept)
+        return counted
+
+    counted = check(samples, 64)
+    assert summary.vocab_mapping.supervised_tokens == sum(counted.values()) == summary.supervised_tokens
+    assert read_dataset_json(tmp_path)["vocab_mapping"]["draft_vocab_size"] == 64
+
+    # The version grows by a sample that supervises one rare id 200 times: recounted, now kept.
+    rare = min(set(range(VOCAB)) - set(counted))
+    heavy = replace(make_sample("k9", 200, 9), input_ids=torch.full((200,), rare), loss_mask=torch.ones(200,
+                                                                                                        dtype=torch.int64))
+    write_shard(shard_path(tmp_path, "shard-3"), [heavy])
+    consolidate(tmp_path, make_info(), exports=["specforge"], draft_vocab_size=64)
+    counted = check([*samples, heavy], 64)
+    assert counted[rare] == 200 and bool(torch.load(tmp_path / VOCAB_MAPPING_NAME)["t2d"][rare])
+
+    # More draft ids than supervised ones: padded with the lowest unused ids, as the trainers do.
+    consolidate(tmp_path, make_info(), exports=["specforge"], draft_vocab_size=VOCAB - 1)
+    check([*samples, heavy], VOCAB - 1)
+
+
+def test_export_index_is_rewritten_only_when_superseded_lines_outnumber_live_ones(tmp_path):
+    from tasks.exports.writer import ExportIndex
+
+    info = make_info()
+    with ExportIndex.load(tmp_path, "specforge", info) as index:
+        for n in range(1500):  # one sample's file rewritten 1500 times: 1500 lines, one live
+            index.record("k-a", 0, "rows_0-2000/data_0.ckpt", f"hash-{n}", n)
+    assert len((tmp_path / EXPORT_INDEX_NAME).read_text().splitlines()) == 1501
+    reloaded = ExportIndex.load(tmp_path, "specforge", info)
+    assert reloaded.entries == {"k-a": {"idx": 0, "file": "rows_0-2000/data_0.ckpt", "content_hash": "hash-1499",
+                                        "bytes": 1499}}
+    assert len((tmp_path / EXPORT_INDEX_NAME).read_text().splitlines()) == 2  # header and the live line

@@ -15,6 +15,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 import requests
+import torch
 from prefect import get_client
 from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterName
 from transformers import AutoTokenizer
@@ -281,3 +282,29 @@ def test_a_sample_whose_dump_keeps_failing_is_retried_in_its_own_task(prefect_ap
     node = sample_task_run("dump-too-big")
     assert node.state.is_failed() and node.run_count == 3
     assert not list((tmp_path / "o" / "dumps").iterdir()), "a failed attempt left files in the dump folder"
+
+
+def test_float8_store_and_draft_vocabulary_from_the_command_line(prefect_api, tiny_model_dir, tmp_path):
+    from flows.extract import parse_args
+
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", conversations(6))
+    params = parse_args(["--prompts", str(prompts), "--model-path", str(tiny_model_dir), "--out",
+                         str(tmp_path / "out"), "--batch-size", "3", "--store-dtype", "float8_e4m3fn",
+                         "--draft-vocab-size", "100"])
+    summary = extract(params)
+    vdir = Path(summary["version_dir"])
+    data = json.loads((vdir / "dataset.json").read_text())
+    assert (data["dtype"], data["store_dtype"], data["exports"]) == ("float32", "float8_e4m3fn", [])
+    assert not (vdir / "exports").exists()  # no export unless asked: the shards are the one copy
+    assert data["vocab_mapping"]["draft_vocab_size"] == 100
+    assert torch.load(vdir / "vocab_mapping.pt", weights_only=True)["d2t"].shape == (100,)
+
+    model = load_reference_model(str(tiny_model_dir))
+    dataset = TrainingSetDataset(vdir)
+    assert len(dataset) == 6
+    for i in range(len(dataset)):
+        sample = dataset[i]
+        aux, final = reference_hidden_states(model, sample["input_ids"].tolist(), data["layer_ids"])
+        for got, want in ((sample["aux_hidden_states"], aux), (sample["hidden_states"], final)):
+            got, want = got.float().reshape(-1, data["hidden_size"]), want.float().reshape(-1, data["hidden_size"])
+            assert float(((got - want).norm(dim=-1) / want.norm(dim=-1)).max()) < 0.07  # float8: 3 mantissa bits

@@ -19,11 +19,12 @@ from safetensors.torch import load_file
 
 from tasks.samples import TrainingSample
 from tasks.shards import InvalidSample, ShardCorrupt, content_hash, list_shards, read_shard_index, write_shard
-from tasks.training_set import (DatasetInfo, MissingSamples, SchemaMismatch, TrainingSetDataset, consolidate,
-                                read_dataset_info)
+from tasks.consolidation import MissingSamples, SchemaMismatch, consolidate
+from tasks.training_set import DatasetInfo, TrainingSetDataset, read_dataset_info
 
 HIDDEN = 16
 LAYERS = [2, 4, 5]
+VOCAB = 1000  # make_sample's token ids are below it
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -32,14 +33,15 @@ def make_sample(key: str, tokens: int, seed: int, dtype: torch.dtype = torch.bfl
     g = torch.Generator().manual_seed(seed)
     mask = torch.randint(0, 2, (tokens,), generator=g)
     return TrainingSample(sample_key=key, source_id=f"conv-{key}",
-                          input_ids=torch.randint(0, 1000, (tokens,), generator=g), loss_mask=mask,
+                          input_ids=torch.randint(0, VOCAB, (tokens,), generator=g), loss_mask=mask,
                           aux_hidden_states=torch.randn(tokens, len(LAYERS) * hidden, generator=g).to(dtype),
                           final_hidden_states=torch.randn(tokens, hidden, generator=g).to(dtype))
 
 
-def make_info(dtype: str = "bfloat16", hidden: int = HIDDEN) -> DatasetInfo:
+def make_info(dtype: str = "bfloat16", hidden: int = HIDDEN, store_dtype: str | None = None) -> DatasetInfo:
     return DatasetInfo(model="synthetic", layer_ids=LAYERS, layer_convention="hf_hidden_states_index",
-                       final_norm="post_norm", dtype=dtype, hidden_size=hidden, num_layers=8,
+                       final_norm="post_norm", dtype=dtype, store_dtype=store_dtype or dtype, hidden_size=hidden,
+                       num_layers=8, vocab_size=VOCAB,
                        template_hash="t" * 16, max_length=64, project_version="0.1.0", fingerprint="f" * 16)
 
 
@@ -188,7 +190,58 @@ def test_loader_returns_exactly_the_written_tensors(tmp_path):
             assert item["aux_hidden_states"].dtype == torch.bfloat16
             assert torch.equal(item["aux_hidden_states"], want.aux_hidden_states)
             assert torch.equal(item["hidden_states"], want.final_hidden_states)
+            for t in item.values():  # its own rows, not a view of the shard (torch.save would write all of it)
+                assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
     with pytest.raises(IndexError):
         dataset[3]
     batches = list(torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=1))
     assert [int(b["input_ids"].numel()) for b in batches] == [5, 1, 8]
+
+
+def test_float8_storage_is_half_the_bytes_and_reconstructs_each_token(tmp_path):
+    from tasks.exports import run_export
+
+    samples = [make_sample("a", 300, 1, hidden=256), make_sample("b", 200, 2, hidden=256)]
+    # One token of a very different magnitude: per-token scales keep the others precise.
+    samples[0].aux_hidden_states[7] *= 1000
+    bf16 = write_shard(shard_path(tmp_path / "bf16", "s"), samples)
+    fp8 = write_shard(shard_path(tmp_path / "fp8", "s"), samples, store_dtype="float8_e4m3fn")
+    tokens = 500
+    hidden_bytes = tokens * 4 * 256  # aux and final, one byte per value
+    assert fp8.bytes - bf16.bytes / 2 < 0.01 * hidden_bytes + tokens * 4 * 4  # + float32 scales, 4 per token
+    assert fp8.bytes < 0.52 * bf16.bytes
+
+    with pytest.raises(SchemaMismatch, match="store_dtype"):
+        consolidate(tmp_path / "fp8", make_info(hidden=256), exports=())
+    info = make_info(hidden=256, store_dtype="float8_e4m3fn")
+    consolidate(tmp_path / "fp8", info, exports=())
+    dataset = TrainingSetDataset(tmp_path / "fp8")
+    for i, s in enumerate(sorted(samples, key=lambda s: s.sample_key)):
+        item = dataset[i]
+        assert torch.equal(item["input_ids"], s.input_ids) and torch.equal(item["loss_mask"], s.loss_mask)
+        for got, want in ((item["aux_hidden_states"], s.aux_hidden_states), (item["hidden_states"],
+                                                                               s.final_hidden_states)):
+            assert got.dtype == torch.bfloat16 and got.shape == want.shape
+            # Independently: e4m3 keeps 3 mantissa bits (relative rounding <= 2^-4), subnormals below
+            # scale * 2^-6 round to a multiple of scale * 2^-9, and the bf16 output rounds again (2^-8).
+            rows = want.float().reshape(want.shape[0], -1, 256)
+            scale = rows.abs().amax(-1, keepdim=True) / 448
+            err = (got.float().reshape(rows.shape) - rows).abs()
+            assert bool((err <= rows.abs() * (2 ** -4 + 2 ** -8) + scale * 2 ** -10 + 1e-30).all())
+            cosine = torch.nn.functional.cosine_similarity(got.float().reshape(rows.shape), rows, dim=-1)
+            assert float(cosine.min()) > 0.998
+    # Exports get the extracted dtype back: SpecForge and ModelOpt read bf16.
+    run_export("modelopt", tmp_path / "fp8")
+    raw = torch.load(tmp_path / "fp8" / "exports" / "modelopt" / "a.pt", weights_only=True)
+    assert raw["aux_hidden_states"].dtype == torch.bfloat16
+    assert torch.equal(raw["aux_hidden_states"], dataset[0]["aux_hidden_states"])
+
+
+def test_store_dtype_is_part_of_the_dataset_version():
+    from tasks.dataset_version import ModelFacts, extraction_config
+
+    model = ModelFacts("m", num_layers=8, hidden_size=16, vocab_size=VOCAB, identity="i" * 32)
+    plain = extraction_config(model, None, "bfloat16", "t" * 16, 64, "truncate")
+    fp8 = extraction_config(model, None, "bfloat16", "t" * 16, 64, "truncate", store_dtype="float8_e4m3fn")
+    assert (plain.store_dtype, fp8.store_dtype) == ("bfloat16", "float8_e4m3fn")
+    assert plain.fingerprint() != fp8.fingerprint()

@@ -1,0 +1,31 @@
+"""Write or refresh trainer exports of a consolidated dataset version from its native shards.
+
+    python -m tasks.exports out/versions/<fingerprint> specforge [modelopt]
+
+Incremental: files already in line with the manifest are kept. Delete the export folder
+when training is done; this command writes it again whenever it is needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+from tasks.exports import EXPORTS, REFUSED_EXPORTS, check_exports, run_export
+from tasks.training_set import read_dataset_info
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(prog="python -m tasks.exports", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("version_dir", type=Path, help="a dataset version folder: out/versions/<fingerprint>")
+    p.add_argument("exports", nargs="+", choices=sorted({*EXPORTS, *REFUSED_EXPORTS}))
+    a = p.parse_args(argv)
+    check_exports(a.exports, read_dataset_info(a.version_dir))
+    return [asdict(run_export(name, a.version_dir)) for name in a.exports]
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(), indent=2))
