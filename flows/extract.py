@@ -16,7 +16,7 @@ import time
 import uuid
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_table_artifact
@@ -33,7 +33,8 @@ from infra.tiny_model import build_tiny_model
 from patches.dumps import DumpReader
 from tasks.dataset_version import extraction_config, read_model_facts, version_dir
 from tasks.exports import check_exports
-from tasks.prompts import template_hash, write_rejects
+from tasks.chat_template import DEFAULT_ENABLE_THINKING, DEFAULT_TEMPLATE_DATE, TemplateVariables, template_hash
+from tasks.prompts import write_rejects
 from tasks.retrieval import ExpectedDump, RetrievalSettings, SampleError, SampleFailure
 from tasks.steps import consolidate_step, extract_batch_step, prepare_step, retry_sample_step
 from tasks.shards import read_shard_index
@@ -78,6 +79,16 @@ class ExtractParameters(BaseModel):
                                          description="Empty: the EAGLE-3 default [2, N//2, N-3].")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", title="--dtype")
     exports: list[Literal["specforge", "speculators", "modelopt"]] = Field(["specforge"], title="Trainer exports")
+    template_date: str = Field(DEFAULT_TEMPLATE_DATE, title="Date the chat template writes (YYYY-MM-DD)",
+                               description="What templates that write today's date (Llama 3.x, gpt-oss) see, "
+                                           "fixed so every night gives the same ids. Part of the version.")
+    enable_thinking: bool = Field(DEFAULT_ENABLE_THINKING, title="enable_thinking (chat template variable)",
+                                  description="Qwen3 and others; part of the version.")
+    chat_template_kwargs: dict[str, Any] = Field({}, title="More chat template variables (JSON values)",
+                                                 description="Passed to the template; part of the version.")
+
+    def template_variables(self) -> TemplateVariables:
+        return TemplateVariables(self.template_date, self.enable_thinking, self.chat_template_kwargs)
 
 
 def resolve_model(params: ExtractParameters) -> Path:
@@ -98,8 +109,9 @@ def extract(params: ExtractParameters = ExtractParameters()) -> dict:
     model_path = resolve_model(params)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     facts = read_model_facts(model_path)
+    variables = params.template_variables()
     config = extraction_config(facts, params.aux_layers, params.dtype, template_hash(tokenizer),
-                               params.max_length, params.on_overlong)
+                               params.max_length, params.on_overlong, template_variables=variables.record())
     vdir = version_dir(out, config)
     (vdir / "shards").mkdir(parents=True, exist_ok=True)
     log.info("dataset version %s in %s", config.fingerprint(), vdir)
@@ -108,11 +120,11 @@ def extract(params: ExtractParameters = ExtractParameters()) -> dict:
                        final_norm=config.final_norm, dtype=config.dtype, hidden_size=facts.hidden_size,
                        num_layers=facts.num_layers, template_hash=config.template_hash,
                        max_length=config.max_length, project_version=PROJECT_VERSION,
-                       fingerprint=config.fingerprint())
+                       fingerprint=config.fingerprint(), template_variables=config.template_variables)
     # An export that cannot be made from this data must fail now, not after hours of extraction.
     check_exports(params.exports, info)
 
-    prepared = prepare_step(Path(params.prompts), tokenizer, params.max_length, params.on_overlong)
+    prepared = prepare_step(Path(params.prompts), tokenizer, params.max_length, params.on_overlong, variables)
     write_rejects(vdir / "rejects.jsonl", prepared.rejected)
     done = {row["sample_key"] for shard in sorted((vdir / "shards").glob("*.safetensors"))
             for row in read_shard_index(shard)}
@@ -249,6 +261,9 @@ def parse_args(argv: list[str] | None = None) -> ExtractParameters:
     p.add_argument("--aux-layers", type=int, nargs=3, default=None, metavar="ID")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=d.dtype)
     p.add_argument("--exports", nargs="*", default=d.exports, choices=["specforge", "speculators", "modelopt"])
+    p.add_argument("--template-date", default=d.template_date, metavar="YYYY-MM-DD")
+    p.add_argument("--enable-thinking", action=argparse.BooleanOptionalAction, default=d.enable_thinking)
+    p.add_argument("--chat-template-kwargs", type=json.loads, default={}, metavar="JSON")
     p.add_argument("--chunked-prefill-size", type=int, default=None)
     p.add_argument("--disable-radix-cache", action="store_true")
     p.add_argument("--skip-server-warmup", action="store_true")
@@ -262,7 +277,9 @@ def parse_args(argv: list[str] | None = None) -> ExtractParameters:
                              concurrent_batches=a.concurrent_batches, attempts=a.attempts,
                              sample_retries=a.sample_retries, backoff_s=a.backoff_s, max_length=a.max_length,
                              on_overlong=a.on_overlong,
-                             aux_layers=a.aux_layers, dtype=a.dtype, exports=a.exports)
+                             aux_layers=a.aux_layers, dtype=a.dtype, exports=a.exports,
+                             template_date=a.template_date, enable_thinking=a.enable_thinking,
+                             chat_template_kwargs=a.chat_template_kwargs)
 
 
 if __name__ == "__main__":

@@ -77,6 +77,8 @@ class DatasetInfo:
     max_length: int
     project_version: str
     fingerprint: str
+    #: the chat template's variables (date, enable_thinking, chat_template_kwargs): tasks.chat_template
+    template_variables: dict = field(default_factory=dict)
 
     @property
     def torch_dtype(self) -> torch.dtype:
