@@ -153,8 +153,7 @@ class Masked:
 class _Field:
     message: int
     key: str      # "content" or "reasoning_content"
-    part: int     # index of the piece within the field (content split around <think> tags)
-    text: str
+    text: str     # the piece (content is cut around <think> tags)
     probe: str
 
 
@@ -169,7 +168,7 @@ class ChatTemplate:
                                 f"its offset mapping")
         self.tokenizer = tokenizer
         self.variables = variables
-        self.source = tokenizer.chat_template
+        self.source = tokenizer.get_chat_template()  # the default one of a tokenizer with named templates
         self.has_generation_tags = bool(GENERATION_TAG.search(self.source))
         added = {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
         self.special_ids = added | set(tokenizer.all_special_ids)
@@ -360,12 +359,12 @@ def _with_placeholders(messages: list[dict]) -> tuple[list[dict], list[_Field]]:
                 continue
             pieces = THINK_TAGS.split(value) if key == "content" else [value]
             out = []
-            for part, piece in enumerate(pieces):
+            for piece in pieces:
                 if piece in ("<think>", "</think>") or not piece.strip():
                     out.append(piece)
                     continue
                 probe = f"Q7xP{len(fields):04d}x"
-                fields.append(_Field(i, key, part, piece, probe))
+                fields.append(_Field(i, key, piece, probe))
                 out.append(probe)
             copy[key] = "".join(out)
         probed.append(copy)
