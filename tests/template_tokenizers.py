@@ -44,6 +44,8 @@ FAMILIES = {
     "mistral-nemo": Family("mistralai-Mistral-Nemo-Instruct-2407.jinja",
                            ("<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
                             "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "[TOOL_CALLS]"), "<s>", "</s>"),
+    # [INST] is plain text in Mixtral's tokenizer: only <s> and </s> are special
+    "mixtral": Family("mistralai-Mixtral-8x7B-Instruct-v0.1.jinja", ("<unk>", "<s>", "</s>"), "<s>", "</s>"),
     "gemma-2": Family("google-gemma-2-2b-it.jinja", ("<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"),
                       "<bos>", "<eos>"),
     "phi-3.5": Family("microsoft-Phi-3.5-mini-instruct.jinja",

@@ -84,6 +84,8 @@ def assistant_turns(family: str, messages: list[dict], variables: TemplateVariab
             body = ("[TOOL_CALLS][" + ", ".join(json.dumps(c["function"], ensure_ascii=False)[:-1]
                                                + f', "id": "{c["id"]}"}}' for c in calls) + "]") if calls else content
             turns.append((header, body + "</s>"))
+        elif family == "mixtral":
+            turns.append((" [/INST] ", content + "</s>"))
         elif family == "gemma-2":
             turns.append(("<start_of_turn>model\n", content.strip() + "<end_of_turn>"))
         elif family == "phi-3.5":
@@ -305,6 +307,8 @@ def test_openai_and_sharegpt_tool_rows_are_rendered_masked_and_counted(tmp_path)
      "Conversation roles must alternate user/assistant/user/assistant/..."),
     ("mistral-nemo", [PLAIN[0][0], PLAIN[0][0], PLAIN[0][1]],
      "After the optional system message, conversation roles must alternate user/assistant/user/assistant/..."),
+    ("mixtral", [TOOL_TURNS[0], TOOL_TURNS[2], PLAIN[0][1]],
+     "Only user and assistant roles are supported, with the exception of an initial optional system message!"),
 ])
 def test_a_conversation_the_template_refuses_is_rejected_with_its_message(tmp_path, family, messages, message):
     path = write_jsonl(tmp_path / "p.jsonl", [{"id": "refused", "messages": messages},
@@ -333,7 +337,8 @@ def conversations(draw):
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(messages=conversations())
-@pytest.mark.parametrize("family", ["llama-3.2", "qwen2.5", "qwen3", "mistral-nemo", "gemma-2", "phi-3.5", "lfm2.5"])
+@pytest.mark.parametrize("family", ["llama-3.2", "qwen2.5", "qwen3", "mistral-nemo", "mixtral", "gemma-2", "phi-3.5",
+                                    "lfm2.5"])
 def test_mask_property_any_conversation(family, messages):
     check(family, messages)
 
