@@ -80,6 +80,7 @@ class ExtractParameters(BaseModel):
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", title="--dtype")
     exports: list[Literal["specforge", "speculators", "modelopt"]] = Field(["specforge"], title="Trainer exports")
     template_date: str = Field(DEFAULT_TEMPLATE_DATE, title="Date the chat template writes (YYYY-MM-DD)",
+                               pattern=r"^\d{4}-\d{2}-\d{2}$",
                                description="What templates that write today's date (Llama 3.x, gpt-oss) see, "
                                            "fixed so every night gives the same ids. Part of the version.")
     enable_thinking: bool = Field(DEFAULT_ENABLE_THINKING, title="enable_thinking (chat template variable)",

@@ -233,6 +233,20 @@ def test_template_variables_are_part_of_the_version():
         TemplateVariables(chat_template_kwargs={"date_string": "today"})
 
 
+def test_template_variables_are_flow_parameters_with_fixed_defaults():
+    from pydantic import ValidationError
+
+    from flows.extract import ExtractParameters, parse_args
+
+    assert parse_args([]).template_variables() == TemplateVariables()
+    given = parse_args(["--template-date", "2025-01-02", "--no-enable-thinking",
+                        "--chat-template-kwargs", '{"reasoning_effort": "high"}']).template_variables()
+    assert given.record() == {"date": "2025-01-02", "enable_thinking": False,
+                              "chat_template_kwargs": {"reasoning_effort": "high"}}
+    with pytest.raises(ValidationError, match="template_date"):
+        ExtractParameters(template_date="today")
+
+
 # --------------------------------------------------------------------------- tools
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
