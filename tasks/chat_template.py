@@ -313,7 +313,7 @@ class ChatTemplate:
         """End of the generation prompt in rendered[start:end] (its last occurrence if ``last``), or None.
 
         Also tried: the prompt's first line, for turns rendered without the prompt's tail (Qwen3 writes
-        ``<think>\n\n</think>\n\n`` after the header only in the prompt when thinking is off)."""
+        ``<think>\\n\\n</think>\\n\\n`` after the header only in the prompt when thinking is off)."""
         prompt = self.generation_prompt
         candidates = [prompt] + ([prompt[:prompt.index("\n") + 1]] if "\n" in prompt[:-1] else [])
         for header in candidates:
