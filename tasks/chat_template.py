@@ -174,6 +174,10 @@ class ChatTemplate:
         self.special_ids = added | set(tokenizer.all_special_ids)
         self._template = _compile_jinja_template(self.source)
         self.generation_prompt, self.user_turn_end, self.end_of_turn = self._learn_turn_text()
+        first = self.encode(self.generation_prompt)["input_ids"][:1]
+        opener = self.tokenizer.convert_ids_to_tokens(first[0]) if first and first[0] in self.special_ids else None
+        #: the special token that opens every turn (<|im_start|>, <|start|>...), if the prompt starts with one
+        self.turn_opener = opener if opener and self.generation_prompt.startswith(opener) else None
 
     def render(self, conversation: Conversation, add_generation_prompt: bool = False) -> str:
         # What apply_chat_template does (special tokens as variables, reasoning under the names templates
@@ -280,7 +284,7 @@ class ChatTemplate:
                                     f"as given (it rewrites or drops it)")
             region_end = min((s for s, _ in bounds if s >= text_end), default=len(rendered))
             if message.get("tool_calls"):
-                end = self._end_of_tool_call_turn(i, rendered, text_end, region_end)
+                end = self._end_of_tool_call_turn(i, rendered, input_ids, offsets, text_end, region_end)
                 _mark(loss_mask, offsets, token_ends, start, end)
             else:
                 t = _mark(loss_mask, offsets, token_ends, start, text_end)
@@ -324,16 +328,22 @@ class ChatTemplate:
                 return at + len(header)
         return None
 
-    def _end_of_tool_call_turn(self, i: int, rendered: str, after: int, region_end: int) -> int:
-        if self.end_of_turn is None:
-            raise LossMaskError(f"message {i} (assistant) calls tools, and the chat template closes an assistant "
-                                f"turn without a special end-of-turn token, so the end of its calls is unknown")
-        at = rendered.find(self.end_of_turn, after, region_end)
-        if at < 0:
-            raise LossMaskError(f"message {i} (assistant) calls tools, and no {self.end_of_turn} closes its turn "
-                                f"before the next message")
-        return at + len(self.end_of_turn)
-
+    def _end_of_tool_call_turn(self, i: int, rendered: str, input_ids: list[int], offsets, after: int,
+                               region_end: int) -> int:
+        """End of the special token that closes an assistant turn of tool calls: the template's end-of-turn
+        token, or (templates that close a call with another token, gpt-oss's ``<|call|>``) the special token
+        right before the next turn opens."""
+        if self.end_of_turn is not None:
+            at = rendered.find(self.end_of_turn, after, region_end)
+            if at >= 0:
+                return at + len(self.end_of_turn)
+        opens = rendered.find(self.turn_opener, after, region_end) if self.turn_opener else -1
+        if opens > after:
+            t = bisect.bisect_right([end for _, end in offsets], opens) - 1
+            if t >= 0 and offsets[t][1] == opens and offsets[t][0] >= after and input_ids[t] in self.special_ids:
+                return opens
+        raise LossMaskError(f"message {i} (assistant) calls tools, and no special token closes its turn before "
+                            f"the next message (the template's end-of-turn is {self.end_of_turn!r})")
 
 def _mark(loss_mask: list[int], offsets, token_ends: list[int], start: int, end: int) -> int:
     """Set the mask on tokens overlapping [start, end); returns the index of the first token after them."""

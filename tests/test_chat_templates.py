@@ -91,8 +91,10 @@ def assistant_turns(family: str, messages: list[dict], variables: TemplateVariab
         elif family == "phi-3.5":
             turns.append(("<|assistant|>\n", content + "<|end|>"))
         elif family == "gpt-oss":
-            turns.append(("<|start|>assistant", "<|channel|>final<|message|>" + content
-                          + ("<|return|>" if last else "<|end|>")))
+            body = (f" to=functions.{calls[0]['function']['name']}<|channel|>commentary json<|message|>"
+                    f"{_args(calls[0])}<|call|>") if calls else \
+                "<|channel|>final<|message|>" + content + ("<|return|>" if last else "<|end|>")
+            turns.append(("<|start|>assistant", body))
         elif family == "lfm2.5":  # {% generation %} tags around content and "<|im_end|>\n"
             turns.append(("<|im_start|>assistant\n", content + "<|im_end|>\n"))
         else:
@@ -258,7 +260,7 @@ TOOL_TURNS = [{"role": "user", "content": "Weather in Paris?"},
               {"role": "tool", "content": '{"temp_c": 21}', "tool_call_id": "call00001"},
               {"role": "assistant", "content": "It is 21 °C in Paris."}]
 TOOL_TURNS_WITH_TEXT = [TOOL_TURNS[0], {**TOOL_TURNS[1], "content": "Let me check."}] + TOOL_TURNS[2:]
-TOOL_FAMILIES = ["llama-3.1", "llama-3.2", "llama-3.3", "qwen2.5", "qwen3", "mistral-nemo"]
+TOOL_FAMILIES = ["llama-3.1", "llama-3.2", "llama-3.3", "qwen2.5", "qwen3", "mistral-nemo", "gpt-oss"]
 
 
 @pytest.mark.parametrize("family", TOOL_FAMILIES)
@@ -272,9 +274,16 @@ def test_tool_calls_supervised_tool_results_not(family):
 
 
 def test_tool_call_that_no_method_can_place_is_rejected_with_the_reason():
-    # gpt-oss closes a call with <|call|>, not the <|return|> that closes its answers
-    with pytest.raises(LossMaskError, match="calls tools, and no <\\|return\\|> closes its turn"):
-        ChatTemplate(tokenizer_of("gpt-oss")).mask(Conversation(TOOL_TURNS, TOOLS))
+    # Mistral Nemo has no generation prompt: an answer follows "[/INST]" or "[/TOOL_RESULTS]" directly, so a
+    # turn of tool calls right after a tool result has nothing that marks where it starts.
+    second = {"type": "function", "id": "call00002", "function": {"name": "get_weather", "arguments": {"city": "Nice"}}}
+    messages = TOOL_TURNS[:3] + [{"role": "assistant", "content": "", "tool_calls": [second]},
+                                 {"role": "tool", "content": '{"temp_c": 23}', "tool_call_id": "call00002"},
+                                 {"role": "assistant", "content": "Paris 21 °C, Nice 23 °C."}]
+    with pytest.raises(LossMaskError, match="message 3 \\(assistant\\) is only tool calls, and the chat template's "
+                                            "generation prompt '' does not open its turn"):
+        ChatTemplate(tokenizer_of("mistral-nemo")).mask(Conversation(messages, TOOLS))
+    check("qwen2.5", messages, tools=TOOLS)  # a template with a generation prompt places it
 
 
 def write_jsonl(path, rows):
