@@ -273,6 +273,20 @@ def test_tool_calls_supervised_tool_results_not(family):
         check(family, TOOL_TURNS_WITH_TEXT, tools=TOOLS)
 
 
+def test_qwen3_agentic_turns_keep_their_reasoning_after_the_last_user_turn():
+    # After the last user turn every assistant turn with reasoning shows it (tool calls included);
+    # before it, reasoning is dropped.
+    messages = [QWEN3_REASONING[0], QWEN3_REASONING[1], {"role": "user", "content": "Weather in Paris?"},
+                {**TOOL_TURNS[1], "reasoning_content": "I should call the weather tool."}, TOOL_TURNS[2],
+                {"role": "assistant", "content": "It is 21 °C.", "reasoning_content": "The tool says 21."}]
+    for variables in (ON, OFF):
+        masked = check("qwen3", messages, variables, tools=TOOLS)
+        tokenizer = tokenizer_of("qwen3")
+        supervised = tokenizer.decode([t for t, bit in zip(masked.input_ids, masked.loss_mask) if bit])
+        assert "Two and two" not in supervised and "I should call the weather tool." in supervised
+        assert "The tool says 21." in supervised and "temp_c" not in supervised
+
+
 def test_tool_call_that_no_method_can_place_is_rejected_with_the_reason():
     # Mistral Nemo has no generation prompt: an answer follows "[/INST]" or "[/TOOL_RESULTS]" directly, so a
     # turn of tool calls right after a tool result has nothing that marks where it starts.
@@ -364,6 +378,28 @@ def conversations(draw):
                                     "lfm2.5"])
 def test_mask_property_any_conversation(family, messages):
     check(family, messages)
+
+
+@st.composite
+def reasoning_conversations(draw):
+    messages = []
+    for _ in range(draw(st.integers(1, 3))):
+        messages.append({"role": "user", "content": draw(text.filter(str.strip))})
+        reasoning, content = draw(text.filter(str.strip)), draw(text.filter(str.strip))
+        shape = draw(st.sampled_from(["plain", "field", "inline"]))
+        if shape == "field":
+            messages.append({"role": "assistant", "content": content, "reasoning_content": reasoning})
+        elif shape == "inline":
+            messages.append({"role": "assistant", "content": f"<think>{reasoning}</think>{content}"})
+        else:
+            messages.append({"role": "assistant", "content": content})
+    return messages
+
+
+@settings(max_examples=40, deadline=None)
+@given(messages=reasoning_conversations(), thinking=st.booleans())
+def test_qwen3_mask_property_any_reasoning_conversation(messages, thinking):
+    check("qwen3", messages, TemplateVariables(enable_thinking=thinking))
 
 
 # --------------------------------------------------------------------------- checking a new template by eye
