@@ -261,7 +261,7 @@ def _tool_call(call: Any, i: int) -> dict:
     if not isinstance(call, dict):
         raise _RowRejected(f"malformed row: a tool call of message {i} is a {type(call).__name__}, not an object")
     function = call.get("function", call)  # ShareGPT's function_call is the function itself
-    name, arguments = function.get("name") if isinstance(function, dict) else None, None
+    name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(name, str) or not name:
         raise _RowRejected(f"malformed row: a tool call of message {i} has no function name")
     arguments = function.get("arguments", {})
