@@ -29,7 +29,7 @@ from infra.server import ServerConfig, start_server
 from infra.tiny_model import build_tiny_model
 from patches.dumps import DumpReader, default_aux_layer_ids
 from tasks.dataset_version import read_model_facts
-from tasks.prompts import compute_loss_mask
+from tasks.chat_template import ChatTemplate, Conversation
 from tasks.samples import PreparedSample
 from tasks.retrieval import ExpectedDump, InFlightLimit, RetrievalSettings, extract_samples
 from tests.ground_truth import load_reference_model, reference_hidden_states
@@ -42,15 +42,16 @@ WORDS = ("the model reads every token and the draft learns to guess the next one
 def make_samples(tokenizer, n: int, seed: int = 0, max_words: int = 120) -> list[PreparedSample]:
     """``n`` two-turn conversations; the assistant says 10 to ``max_words`` words."""
     rng = random.Random(seed)
+    template = ChatTemplate(tokenizer)
     samples = []
     for i in range(n):
         def text(k):
             return " ".join(rng.choice(WORDS) for _ in range(k))
         messages = [{"role": "user", "content": f"#{i} " + text(rng.randint(5, max_words // 2))},
                     {"role": "assistant", "content": text(rng.randint(10, max_words))}]
-        ids, mask = compute_loss_mask(tokenizer, messages)
+        masked = template.mask(Conversation(messages))
         samples.append(PreparedSample(sample_key=f"bench{i:06d}", source_id=f"bench-{i}", line=i + 1,
-                                      input_ids=ids, loss_mask=mask, truncated=False))
+                                      input_ids=masked.input_ids, loss_mask=masked.loss_mask, truncated=False))
     return samples
 
 

@@ -15,7 +15,7 @@ import time
 import uuid
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_table_artifact
@@ -32,7 +32,8 @@ from infra.tiny_model import build_tiny_model
 from patches.dumps import DumpReader
 from tasks.dataset_version import extraction_config, read_model_facts, version_dir
 from tasks.exports import check_exports
-from tasks.prompts import template_hash, write_rejects
+from tasks.chat_template import DEFAULT_ENABLE_THINKING, DEFAULT_TEMPLATE_DATE, TemplateVariables, template_hash
+from tasks.prompts import write_rejects
 from tasks.retrieval import ExpectedDump, InFlightLimit, RetrievalSettings, SampleError, SampleFailure
 from tasks.steps import consolidate_step, extract_batch_step, prepare_step, retry_sample_step
 from tasks.shards import read_shard_index
@@ -90,6 +91,17 @@ class ExtractParameters(BaseModel):
     draft_vocab_size: int | None = Field(None, title="--draft-vocab-size", ge=1,
                                          description="Draft vocabulary of the d2t/t2d mapping; empty: 32000, "
                                                      "or the target's vocabulary when smaller.")
+    template_date: str = Field(DEFAULT_TEMPLATE_DATE, title="Date the chat template writes (YYYY-MM-DD)",
+                               pattern=r"^\d{4}-\d{2}-\d{2}$",
+                               description="What templates that write today's date (Llama 3.x, gpt-oss) see, "
+                                           "fixed so every night gives the same ids. Part of the version.")
+    enable_thinking: bool = Field(DEFAULT_ENABLE_THINKING, title="enable_thinking (chat template variable)",
+                                  description="Qwen3 and others; part of the version.")
+    chat_template_kwargs: dict[str, Any] = Field({}, title="More chat template variables (JSON values)",
+                                                 description="Passed to the template; part of the version.")
+
+    def template_variables(self) -> TemplateVariables:
+        return TemplateVariables(self.template_date, self.enable_thinking, self.chat_template_kwargs)
 
 
 def resolve_model(params: ExtractParameters) -> Path:
@@ -110,8 +122,10 @@ def extract(params: ExtractParameters = ExtractParameters()) -> dict:
     model_path = resolve_model(params)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     facts = read_model_facts(model_path)
+    variables = params.template_variables()
     config = extraction_config(facts, params.aux_layers, params.dtype, template_hash(tokenizer),
-                               params.max_length, params.on_overlong, params.store_dtype)
+                               params.max_length, params.on_overlong, params.store_dtype,
+                               template_variables=variables.record())
     vdir = version_dir(out, config)
     (vdir / "shards").mkdir(parents=True, exist_ok=True)
     log.info("dataset version %s in %s", config.fingerprint(), vdir)
@@ -121,12 +135,12 @@ def extract(params: ExtractParameters = ExtractParameters()) -> dict:
                        hidden_size=facts.hidden_size,
                        num_layers=facts.num_layers, vocab_size=facts.vocab_size, template_hash=config.template_hash,
                        max_length=config.max_length, project_version=PROJECT_VERSION,
-                       fingerprint=config.fingerprint())
+                       fingerprint=config.fingerprint(), template_variables=config.template_variables)
     # An export that cannot be made from this data must fail now, not after hours of extraction.
     check_exports(params.exports, info)
     draft_vocab_size_for(info, params.draft_vocab_size)
 
-    prepared = prepare_step(Path(params.prompts), tokenizer, params.max_length, params.on_overlong)
+    prepared = prepare_step(Path(params.prompts), tokenizer, params.max_length, params.on_overlong, variables)
     write_rejects(vdir / "rejects.jsonl", prepared.rejected)
     done = {row["sample_key"] for shard in sorted((vdir / "shards").glob("*.safetensors"))
             for row in read_shard_index(shard)}
@@ -267,6 +281,9 @@ def parse_args(argv: list[str] | None = None) -> ExtractParameters:
     p.add_argument("--exports", nargs="*", default=d.exports, choices=["specforge", "speculators", "modelopt"])
     p.add_argument("--store-dtype", choices=["float8_e4m3fn"], default=None)
     p.add_argument("--draft-vocab-size", type=int, default=None)
+    p.add_argument("--template-date", default=d.template_date, metavar="YYYY-MM-DD")
+    p.add_argument("--enable-thinking", action=argparse.BooleanOptionalAction, default=d.enable_thinking)
+    p.add_argument("--chat-template-kwargs", type=json.loads, default={}, metavar="JSON")
     p.add_argument("--chunked-prefill-size", type=int, default=None)
     p.add_argument("--disable-radix-cache", action="store_true")
     p.add_argument("--skip-server-warmup", action="store_true")
@@ -282,7 +299,9 @@ def parse_args(argv: list[str] | None = None) -> ExtractParameters:
                              sample_retries=a.sample_retries, backoff_s=a.backoff_s, max_length=a.max_length,
                              on_overlong=a.on_overlong,
                              aux_layers=a.aux_layers, dtype=a.dtype, exports=a.exports,
-                             store_dtype=a.store_dtype, draft_vocab_size=a.draft_vocab_size)
+                             store_dtype=a.store_dtype, draft_vocab_size=a.draft_vocab_size,
+                             template_date=a.template_date, enable_thinking=a.enable_thinking,
+                             chat_template_kwargs=a.chat_template_kwargs)
 
 
 if __name__ == "__main__":

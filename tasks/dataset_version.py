@@ -1,7 +1,8 @@
 """Dataset versions: everything that changes the tensors of a sample is in the fingerprint.
 
 ``{out}/versions/{fingerprint}/`` holds one dataset version: another model, layer set,
-dtype, chat template or length rule is another folder, never mixed into this one.
+dtype, chat template, template variable (the date a template writes, enable_thinking, any
+chat_template_kwargs) or length rule is another folder, never mixed into this one.
 Within a version a sample is identified by its content key, so a re-run extracts only
 the keys that no finished shard holds yet.
 """
@@ -69,6 +70,7 @@ class ExtractionConfig:
     template_hash: str
     max_length: int
     on_overlong: str
+    template_variables: dict  # TemplateVariables.record(): a changed date or kwarg changes the ids
     schema_version: int = SCHEMA_VERSION
 
     def fingerprint(self) -> str:
@@ -77,7 +79,8 @@ class ExtractionConfig:
 
 
 def extraction_config(model: ModelFacts, layer_ids: list[int] | None, dtype: str, template_hash: str,
-                      max_length: int, on_overlong: str, store_dtype: str | None = None) -> ExtractionConfig:
+                      max_length: int, on_overlong: str, store_dtype: str | None = None, *,
+                      template_variables: dict) -> ExtractionConfig:
     layers = tuple(layer_ids) if layer_ids else tuple(default_aux_layer_ids(model.num_layers))
     # hidden_states[N] is the final state after the norm, not a residual stream: not an aux tap.
     bad = [i for i in layers if not 1 <= i < model.num_layers]
@@ -85,7 +88,7 @@ def extraction_config(model: ModelFacts, layer_ids: list[int] | None, dtype: str
         raise ValueError(f"aux layer ids {list(layers)} must be distinct HF hidden_states indices in "
                          f"1..{model.num_layers - 1} (model {model.name} has {model.num_layers} layers)")
     return ExtractionConfig(model.identity, layers, LAYER_CONVENTION, FINAL_NORM, dtype, store_dtype or dtype,
-                            template_hash, max_length, on_overlong)
+                            template_hash, max_length, on_overlong, template_variables)
 
 
 def version_dir(out: Path, config: ExtractionConfig) -> Path:

@@ -2,26 +2,27 @@
 
 Input files
     ``.jsonl`` (one row per line; blank lines are not rows), ``.json`` (a list of rows) or
-    ``.parquet``. A row is either OpenAI-shaped, ``{"id": ..., "messages": [{"role", "content"}]}``,
-    or ShareGPT-shaped, ``{"id": ..., "conversations": [{"from", "value"}]}``. ``id`` is optional;
-    without it the row is named ``line-{n}``. ``n`` is the line number in a JSONL file and the
-    1-based row number in a JSON list or a Parquet table. Only role and content are rendered.
+    ``.parquet``. A row is either OpenAI-shaped, ``{"id": ..., "messages": [...], "tools": [...]}``,
+    or ShareGPT-shaped, ``{"id": ..., "conversations": [{"from", "value"}], "tools": [...]}``. ``id`` is
+    optional; without it the row is named ``line-{n}``. ``n`` is the line number in a JSONL file and the
+    1-based row number in a JSON list or a Parquet table. ``tools`` (optional) is the list of tool
+    definitions the template writes into its system prompt.
 
-Token ids
-    ``tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)``,
-    tokenized without adding special tokens (the template writes them), i.e. exactly the ids
-    ``apply_chat_template(messages, tokenize=True)`` gives.
+Messages
+    OpenAI: ``role`` system, user, assistant or tool; ``content`` a string. An assistant message may
+    carry ``reasoning_content`` (a string) and ``tool_calls`` (``[{"type": "function", "function":
+    {"name", "arguments"}, "id"?}]``, arguments a JSON object or its JSON text; its content may then be
+    empty); a tool message may carry ``tool_call_id`` and ``name``. ShareGPT: ``from`` system, human/user,
+    gpt/chatgpt/assistant, ``function_call`` (``value`` is the call's JSON, ``{"name", "arguments"}``: an
+    assistant message calling that tool) or ``observation`` (a tool result). Tool calls are assistant
+    output and supervised; tool results are not. Both are counted (:class:`PreparedPrompts`).
 
-Loss mask (SpecForge's convention)
-    1 on the tokens of every assistant message's content and on the end-of-turn token that
-    closes it, 0 elsewhere. The method needs no ``{% generation %}`` tags: for each assistant
-    message ``i`` it renders ``messages[:i+1]`` (a prefix of the whole rendering) and the same
-    with a probe string in place of message ``i``'s content; the text around the probe is the
-    template's, and the rendering must be exactly that text with the content (as written, or
-    stripped for templates that ``trim``) in between. Char spans become tokens through the fast
-    tokenizer's offset mapping; tokens overlapping the content are supervised. The end-of-turn token is the first token after the content when
-    it is a special token (``<|eot_id|>``, ``<|im_end|>``, ``</s>``); templates that close a turn
-    with plain text supervise the content only.
+Token ids and loss mask
+    :mod:`tasks.chat_template`: the model's template rendered with fixed variables
+    (:class:`~tasks.chat_template.TemplateVariables`), the mask on what the model writes in each
+    assistant turn plus the end-of-turn token. A conversation the template refuses (``raise_exception``)
+    is rejected with the template's message; one whose mask cannot be computed reliably is rejected with
+    the template behaviour that prevents it.
 
 Sample key
     ``sample_key(input_ids, loss_mask)``: sha256 over the int64 ids AND the mask bytes, so two
@@ -31,30 +32,37 @@ Sample key
 Accounting
     Every row read is a sample, a duplicate or a reject: ``rows_in == len(samples) +
     len(duplicates) + len(rejected)`` (checked when the result is built).
+
+Checking a template by eye
+    ``python -m tasks.prompts show --model-path DIR --prompts FILE --row N`` prints row N as the model
+    sees it with the supervised tokens in colour (see :func:`main`).
 """
 
 from __future__ import annotations
 
+import argparse
 import array
-import bisect
 import hashlib
 import json
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import jinja2
 import polars as pl
 
+from tasks.chat_template import ChatTemplate, Conversation, LossMaskError, TemplateVariables
 from tasks.samples import PreparedSample
 
 ON_OVERLONG = ("truncate", "skip")
 
 #: roles a row may use, per shape, and the chat-template role each one means.
-OPENAI_ROLES = {"system": "system", "user": "user", "assistant": "assistant"}
-SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user",
-                  "gpt": "assistant", "chatgpt": "assistant", "assistant": "assistant"}
+OPENAI_ROLES = {"system": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant",
+                  "chatgpt": "assistant", "assistant": "assistant", "function_call": "assistant",
+                  "observation": "tool"}
 
 
 # --------------------------------------------------------------------------- errors
@@ -74,18 +82,6 @@ class MalformedRow(Exception):
     def __init__(self, path: Path | str, line: int, reason: str):
         self.path, self.line, self.reason = str(path), line, reason
         super().__init__(f"{path} line {line}: {reason}")
-
-
-class ChatTemplateMissing(Exception):
-    """The tokenizer has no chat template to render conversations with."""
-
-
-class SlowTokenizer(Exception):
-    """Loss masks need a fast tokenizer's offset mapping."""
-
-
-class LossMaskError(Exception):
-    """The loss mask of one conversation cannot be computed correctly with this template."""
 
 
 # --------------------------------------------------------------------------- results
@@ -114,6 +110,10 @@ class PreparedPrompts:
     rejected: list[Rejected]
     duplicates: list[Duplicate]
     rows_in: int
+    #: in the samples written (not in duplicates or rejects): assistant tool calls (supervised) and tool
+    #: results (not supervised).
+    tool_calls: int = 0
+    tool_results: int = 0
 
     def __post_init__(self) -> None:
         accounted = len(self.samples) + len(self.duplicates) + len(self.rejected)
@@ -186,8 +186,8 @@ def source_id_of(row: dict, line: int) -> str:
     return f"line-{line}" if value is None or value == "" else str(value)
 
 
-def normalize_messages(row: dict) -> list[dict[str, str]]:
-    """The row's messages as ``[{"role", "content"}]`` with template roles; raises ``_RowRejected``."""
+def normalize_conversation(row: dict) -> Conversation:
+    """The row as a :class:`Conversation` with template roles; raises ``_RowRejected``."""
     # A null field counts as absent: a Parquet table holding both shapes has both columns.
     has_messages, has_conversations = row.get("messages") is not None, row.get("conversations") is not None
     if has_messages and has_conversations:
@@ -205,30 +205,78 @@ def normalize_messages(row: dict) -> list[dict[str, str]]:
     for i, message in enumerate(raw):
         if not isinstance(message, dict):
             raise _RowRejected(f"malformed row: message {i} is a {type(message).__name__}, not an object")
-        role, content = message.get(role_key), message.get(content_key)
+        role = message.get(role_key)
         if role not in roles:
             raise _RowRejected(f"unknown role {role!r} in message {i}; known: {', '.join(sorted(roles))}")
+        if role == "function_call":
+            messages.append({"role": "assistant", "content": "",
+                             "tool_calls": [_tool_call(_json_object(message.get(content_key), i), i)]})
+            continue
+        normalized = {"role": roles[role], "content": message.get(content_key)}
+        tool_calls = message.get("tool_calls") if field == "messages" else None
+        if tool_calls is not None and roles[role] == "assistant":
+            if not isinstance(tool_calls, list) or not tool_calls:
+                raise _RowRejected(f"malformed row: tool_calls of message {i} is not a non-empty list")
+            normalized["tool_calls"] = [_tool_call(call, i) for call in tool_calls]
+            if normalized["content"] is None:
+                normalized["content"] = ""
+        content = normalized["content"]
         if not isinstance(content, str):
             raise _RowRejected(f"malformed row: content of message {i} is a {type(content).__name__}, not a string")
-        if not content.strip():
-            raise _RowRejected(f"empty content in message {i} ({role})")
-        messages.append({"role": roles[role], "content": content})
+        if not content.strip() and "tool_calls" not in normalized:
+            raise _RowRejected(f"empty content in message {i} ({roles[role]})")
+        if field == "messages":
+            reasoning = message.get("reasoning_content")
+            if reasoning is not None and roles[role] == "assistant":
+                if not isinstance(reasoning, str):
+                    raise _RowRejected(f"malformed row: reasoning_content of message {i} is a "
+                                       f"{type(reasoning).__name__}, not a string")
+                normalized["reasoning_content"] = reasoning
+            for key in ("tool_call_id", "name"):
+                if roles[role] == "tool" and message.get(key) is not None:
+                    normalized[key] = str(message[key])
+        messages.append(normalized)
     if not any(m["role"] == "assistant" for m in messages):
         raise _RowRejected("no assistant turn")
-    return messages
+    tools = row.get("tools")
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+        raise _RowRejected("malformed row: 'tools' is not a list of objects")
+    return Conversation(messages, tools or None)
 
 
-# --------------------------------------------------------------------------- rendering and masks
+def _json_object(value: Any, i: int) -> dict:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise _RowRejected(f"malformed row: function_call of message {i} is not JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise _RowRejected(f"malformed row: function_call of message {i} is not a JSON object")
+    return value
 
 
-def template_hash(tokenizer) -> str:
-    """sha256 (32 hex) of the chat template and the special tokens it can write; recorded per dataset."""
-    template = tokenizer.chat_template
-    if not template:
-        raise ChatTemplateMissing(f"tokenizer {tokenizer.name_or_path!r} has no chat template")
-    payload = json.dumps({"chat_template": template, "special_tokens": tokenizer.special_tokens_map},
-                         sort_keys=True, ensure_ascii=False)
-    return hashlib.sha256(payload.encode("utf-8")).hexdigest()[:32]
+def _tool_call(call: Any, i: int) -> dict:
+    """A tool call in the shape templates read: ``{"type": "function", "function": {"name", "arguments"}}``
+    with arguments an object (templates write them with ``tojson``; JSON text would be quoted twice)."""
+    if not isinstance(call, dict):
+        raise _RowRejected(f"malformed row: a tool call of message {i} is a {type(call).__name__}, not an object")
+    function = call.get("function", call)  # ShareGPT's function_call is the function itself
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str) or not name:
+        raise _RowRejected(f"malformed row: a tool call of message {i} has no function name")
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError as exc:
+            raise _RowRejected(f"malformed row: the arguments of tool call {name!r} in message {i} are not JSON: "
+                               f"{exc}") from exc
+    if not isinstance(arguments, dict):
+        raise _RowRejected(f"malformed row: the arguments of tool call {name!r} in message {i} are not an object")
+    normalized = {"type": "function", "function": {"name": name, "arguments": arguments}}
+    if call.get("id") is not None:
+        normalized["id"] = str(call["id"])
+    return normalized
 
 
 def sample_key(input_ids: Sequence[int], loss_mask: Sequence[int]) -> str:
@@ -243,96 +291,23 @@ def sample_key(input_ids: Sequence[int], loss_mask: Sequence[int]) -> str:
     return digest.hexdigest()[:32]
 
 
-def _render(tokenizer, messages: list[dict]) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
-
-
-#: stands in for an assistant message's content to learn where the template puts it; no whitespace at
-#: its ends (templates that ``trim`` keep it) and nothing a real conversation would contain.
-CONTENT_PROBE = "Q7xContentProbe3f9b"
-
-
-def assistant_spans(tokenizer, messages: list[dict], rendered: str) -> list[tuple[int, int, int]]:
-    """``(content start, content end, turn end)`` char offsets in ``rendered`` of each assistant message."""
-    spans = []
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        through = _render(tokenizer, messages[: i + 1])
-        if not rendered.startswith(through):
-            raise LossMaskError(f"the chat template renders messages[:{i + 1}] differently inside the whole "
-                                f"conversation, so message {i}'s text cannot be located")
-        # The same prefix with a probe for message i's content: the text before the probe is what the
-        # template writes before the content (earlier turns, the assistant header), the text after it
-        # closes the turn. The real rendering must be exactly that with the content in between.
-        probe = _render(tokenizer, messages[:i] + [{"role": "assistant", "content": CONTENT_PROBE}])
-        at = probe.find(CONTENT_PROBE)
-        if at < 0:
-            raise LossMaskError(f"the chat template does not write assistant content verbatim (a probe for "
-                                f"message {i} disappeared)")
-        head, tail = probe[:at], probe[at + len(CONTENT_PROBE):]
-        for text in (message["content"], message["content"].strip()):
-            if through == head + text + tail:
-                spans.append((len(head), len(head) + len(text), len(through)))
-                break
-        else:
-            raise LossMaskError(f"the content of message {i} (assistant) does not appear in the rendered "
-                                f"conversation, as written or stripped; the template rewrites it")
-    return spans
-
-
-def compute_loss_mask(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
-    """Token ids of the rendered conversation and its loss mask (see the module docstring)."""
-    if not tokenizer.chat_template:
-        raise ChatTemplateMissing(f"tokenizer {tokenizer.name_or_path!r} has no chat template")
-    if not tokenizer.is_fast:
-        raise SlowTokenizer(f"tokenizer {tokenizer.name_or_path!r} is not a fast tokenizer; loss masks need "
-                            f"its offset mapping")
-    rendered = _render(tokenizer, messages)
-    spans = assistant_spans(tokenizer, messages, rendered)
-    encoded = tokenizer(rendered, add_special_tokens=False, return_offsets_mapping=True)
-    input_ids, offsets = list(encoded["input_ids"]), encoded["offset_mapping"]
-    token_ends = [end for _, end in offsets]
-    special_ids = _special_ids(tokenizer)
-    loss_mask = [0] * len(input_ids)
-    for start, end, turn_end in spans:
-        # First token that ends after the content starts: tokens overlapping the content are supervised.
-        t = bisect.bisect_right(token_ends, start)
-        while t < len(input_ids) and offsets[t][0] < end:
-            loss_mask[t] = 1
-            t += 1
-        if t < len(input_ids) and offsets[t][0] < turn_end and input_ids[t] in special_ids:
-            loss_mask[t] = 1
-    supervised = sum(loss_mask)
-    if supervised == 0:
-        raise LossMaskError("loss mask is all zeros although the conversation has assistant turns")
-    if supervised == len(loss_mask):
-        raise LossMaskError("loss mask is all ones: the template wrote nothing but assistant content")
-    return input_ids, loss_mask
-
-
-def _special_ids(tokenizer) -> set[int]:
-    added = {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
-    return added | set(tokenizer.all_special_ids)
-
-
 # --------------------------------------------------------------------------- the whole file
 
 
-def prepare_prompts(path: Path | str, tokenizer, max_length: int = 2048,
-                    on_overlong: str = "truncate") -> PreparedPrompts:
+def prepare_prompts(path: Path | str, tokenizer, max_length: int = 2048, on_overlong: str = "truncate",
+                    variables: TemplateVariables = TemplateVariables()) -> PreparedPrompts:
     """Read, render, mask, cut to ``max_length`` and de-duplicate every conversation of ``path``."""
     if on_overlong not in ON_OVERLONG:
         raise ValueError(f"on_overlong must be one of {ON_OVERLONG}, not {on_overlong!r}")
     if max_length < 2:
         raise ValueError(f"max_length must be at least 2 tokens, not {max_length}")
-    template_hash(tokenizer)  # fails fast, naming the tokenizer, when there is no template
+    template = ChatTemplate(tokenizer, variables)  # fails fast, naming the tokenizer, when there is no template
     samples: list[PreparedSample] = []
     rejected: list[Rejected] = []
     duplicates: list[Duplicate] = []
     first_by_key: dict[str, str] = {}
     line_by_id: dict[str, int] = {}
-    rows_in = 0
+    rows_in = tool_calls = tool_results = 0
     for line, row in read_conversations(path):
         rows_in += 1
         if isinstance(row, Exception):
@@ -340,7 +315,8 @@ def prepare_prompts(path: Path | str, tokenizer, max_length: int = 2048,
             continue
         source_id = source_id_of(row, line)
         try:
-            sample = _prepare_row(tokenizer, row, source_id, line, max_length, on_overlong)
+            conversation = normalize_conversation(row)
+            sample = _prepare_row(template, conversation, source_id, line, max_length, on_overlong)
         except _RowRejected as exc:
             rejected.append(Rejected(line, source_id, str(exc)))
             continue
@@ -354,18 +330,24 @@ def prepare_prompts(path: Path | str, tokenizer, max_length: int = 2048,
         first_by_key[sample.sample_key] = source_id
         line_by_id[source_id] = line
         samples.append(sample)
-    return PreparedPrompts(samples, rejected, duplicates, rows_in)
+        tool_calls += sum(len(m.get("tool_calls", ())) for m in conversation.messages)
+        tool_results += sum(m["role"] == "tool" for m in conversation.messages)
+    return PreparedPrompts(samples, rejected, duplicates, rows_in, tool_calls, tool_results)
 
 
-def _prepare_row(tokenizer, row: dict, source_id: str, line: int, max_length: int,
-                 on_overlong: str) -> PreparedSample:
-    messages = normalize_messages(row)
+def _masked(template: ChatTemplate, conversation: Conversation) -> tuple[list[int], list[int]]:
     try:
-        input_ids, loss_mask = compute_loss_mask(tokenizer, messages)
+        masked = template.mask(conversation)
     except jinja2.TemplateError as exc:
         raise _RowRejected(f"chat template refused the conversation: {exc}") from exc
     except LossMaskError as exc:
         raise _RowRejected(f"loss mask: {exc}") from exc
+    return masked.input_ids, masked.loss_mask
+
+
+def _prepare_row(template: ChatTemplate, conversation: Conversation, source_id: str, line: int, max_length: int,
+                 on_overlong: str) -> PreparedSample:
+    input_ids, loss_mask = _masked(template, conversation)
     truncated = len(input_ids) > max_length
     if truncated:
         if on_overlong == "skip":
@@ -388,3 +370,79 @@ def write_rejects(path: Path | str, rejected: Sequence[Rejected]) -> Path:
                                ensure_ascii=False) + "\n")
     os.replace(tmp, path)
     return path
+
+
+# --------------------------------------------------------------------------- checking a template by eye
+
+SUPERVISED_ON, SUPERVISED_OFF = "\x1b[1;30;42m", "\x1b[0m"  # black on green
+PLAIN_OPEN, PLAIN_CLOSE = "[[", "]]"
+
+
+def highlight(rendered: str, offsets: Sequence[tuple[int, int]], loss_mask: Sequence[int], colour: bool) -> str:
+    """The rendered text with every character of a supervised token marked (colour, or [[...]] without)."""
+    supervised = [False] * len(rendered)
+    for (start, end), bit in zip(offsets, loss_mask):
+        if bit:
+            supervised[start:end] = [True] * (end - start)
+    on, off = (SUPERVISED_ON, SUPERVISED_OFF) if colour else (PLAIN_OPEN, PLAIN_CLOSE)
+    out, inside = [], False
+    for char, flag in zip(rendered, supervised):
+        if flag != inside:
+            out.append(on if flag else off)
+            inside = flag
+        out.append(char)
+    if inside:
+        out.append(off)
+    return "".join(out)
+
+
+def show_row(path: Path | str, tokenizer, line: int, variables: TemplateVariables, colour: bool) -> tuple[str, bool]:
+    """Row ``line`` (its line number, as in rejects.jsonl) rendered with its mask marked; (text, accepted)."""
+    for number, row in read_conversations(path):
+        if number != line:
+            continue
+        if isinstance(row, Exception):
+            return f"line {line}: rejected: malformed row: {row.reason}", False
+        source_id = source_id_of(row, line)
+        template = ChatTemplate(tokenizer, variables)
+        try:
+            conversation = normalize_conversation(row)
+            input_ids, loss_mask = _masked(template, conversation)
+        except _RowRejected as exc:
+            return f"line {line} ({source_id}): rejected: {exc}", False
+        rendered = template.render(conversation)
+        offsets = template.encode(rendered)["offset_mapping"]
+        method = "generation tags" if template.has_generation_tags else "placeholders"
+        head = (f"line {line} ({source_id}): {len(input_ids)} tokens, {sum(loss_mask)} supervised "
+                f"(mask by {method}; template variables {json.dumps(variables.record(), sort_keys=True)})")
+        return head + "\n" + highlight(rendered, offsets, loss_mask, colour), True
+    raise PromptFileError(path, f"no row on line {line}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tasks.prompts", description="Prompt preparation tools.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    show = commands.add_parser("show", help="print one conversation as the model sees it, supervised tokens marked")
+    show.add_argument("--model-path", required=True, type=Path, help="model (or tokenizer) folder")
+    show.add_argument("--prompts", required=True, type=Path, help="prompt file (JSONL, JSON or Parquet)")
+    show.add_argument("--row", required=True, type=int, metavar="N",
+                      help="the row's line number (JSONL) or 1-based row number (JSON, Parquet), as in rejects.jsonl")
+    show.add_argument("--template-date", default=TemplateVariables.date, metavar="YYYY-MM-DD")
+    show.add_argument("--enable-thinking", action=argparse.BooleanOptionalAction,
+                      default=TemplateVariables.enable_thinking)
+    show.add_argument("--chat-template-kwargs", type=json.loads, default={}, metavar="JSON")
+    show.add_argument("--colour", "--color", choices=["auto", "always", "never"], default="auto",
+                      help="auto: colour on a terminal, [[...]] around supervised text otherwise")
+    args = parser.parse_args(argv)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model_path)
+    variables = TemplateVariables(args.template_date, args.enable_thinking, args.chat_template_kwargs)
+    colour = args.colour == "always" or (args.colour == "auto" and sys.stdout.isatty())
+    text, accepted = show_row(args.prompts, tokenizer, args.row, variables, colour)
+    print(text)
+    return 0 if accepted else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -10,12 +10,13 @@ from pathlib import Path
 from typing import Callable
 
 import requests
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import task_run as current_task_run
 
 from patches.dumps import DumpReader
 from tasks.consolidation import ConsolidationSummary, consolidate
+from tasks.chat_template import TemplateVariables
 from tasks.prompts import PreparedPrompts, prepare_prompts
 from tasks.retrieval import (ConfigMismatch, InFlightLimit, PermanentFailure, RetrievalSettings, SampleError, SampleFailure,
                              extract_one, extract_samples)
@@ -32,8 +33,12 @@ class BatchResult:
 
 
 @task(name="prepare-prompts", cache_policy=NO_CACHE)
-def prepare_step(prompts: Path, tokenizer, max_length: int, on_overlong: str) -> PreparedPrompts:
-    return prepare_prompts(prompts, tokenizer, max_length=max_length, on_overlong=on_overlong)
+def prepare_step(prompts: Path, tokenizer, max_length: int, on_overlong: str,
+                 variables: TemplateVariables) -> PreparedPrompts:
+    prepared = prepare_prompts(prompts, tokenizer, max_length=max_length, on_overlong=on_overlong, variables=variables)
+    get_run_logger().info("samples hold %d tool calls (supervised) and %d tool results (not supervised)",
+                          prepared.tool_calls, prepared.tool_results)
+    return prepared
 
 
 @task(name="extract-batch", task_run_name="batch-{index:04d}", cache_policy=NO_CACHE)

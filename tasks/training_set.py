@@ -28,7 +28,7 @@ import json
 import os
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -67,6 +67,8 @@ class DatasetInfo:
     max_length: int
     project_version: str
     fingerprint: str
+    #: the chat template's variables (date, enable_thinking, chat_template_kwargs): tasks.chat_template
+    template_variables: dict = field(default_factory=dict)
 
     @property
     def torch_dtype(self) -> torch.dtype:

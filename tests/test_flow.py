@@ -65,6 +65,12 @@ def test_rerun_writes_nothing_new_and_new_layers_make_a_new_version(prefect_api,
     assert json.loads((Path(other["version_dir"]) / "dataset.json").read_text())["layer_ids"] == [1, 3, 6]
     assert pl.read_parquet(Path(first["version_dir"]) / "manifest.parquet").height == 13
 
+    # The chat template's variables are recorded, and another value is another version.
+    recorded = json.loads((Path(first["version_dir"]) / "dataset.json").read_text())["template_variables"]
+    assert recorded == {"date": "2024-07-26", "enable_thinking": True, "chat_template_kwargs": {}}
+    dated = extract(ExtractParameters(**{**base, "prompts": str(grown)}, template_date="2025-01-01"))
+    assert dated["version"] not in (first["version"], other["version"]) and dated["written_this_run"] == 13
+
 
 def test_an_export_that_cannot_be_made_fails_before_the_server_starts(prefect_api, tiny_model_dir, tmp_path):
     prompts = write_jsonl(tmp_path / "prompts.jsonl", conversations(2))

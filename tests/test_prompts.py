@@ -11,8 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from tasks.prompts import (ChatTemplateMissing, PromptFileError, compute_loss_mask, normalize_messages,
-                           prepare_prompts, read_conversations, sample_key, template_hash, write_rejects)
+from tasks.chat_template import ChatTemplate, ChatTemplateMissing, Conversation, template_hash
+from tasks.prompts import (PromptFileError, normalize_conversation, prepare_prompts, read_conversations, sample_key,
+                           write_rejects)
 
 DEMO_PROMPTS = Path(__file__).resolve().parents[1] / "data" / "demo_prompts.jsonl"
 
@@ -77,6 +78,11 @@ def tokenizer(tiny_model_dir):
 @pytest.fixture(scope="session")
 def chatml_tokenizer(tiny_model_dir):
     return tokenizer_with(tiny_model_dir, CHATML_TEMPLATE, ["<|im_start|>", "<|im_end|>"])
+
+
+def compute_loss_mask(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
+    masked = ChatTemplate(tokenizer).mask(Conversation(messages))
+    return masked.input_ids, masked.loss_mask
 
 
 def supervised_runs(tokenizer, ids: list[int], mask: list[int]) -> list[str]:
@@ -170,10 +176,10 @@ def test_mask_without_special_end_of_turn_supervises_content_only(tiny_model_dir
 
 
 @pytest.mark.parametrize("rewrite, reason", [
-    ("upper", "loss mask: the chat template does not write assistant content verbatim (a probe for message 1 "
-              "disappeared)"),
+    ("upper", "loss mask: the chat template writes this conversation differently when its messages' text is "
+              "replaced by placeholders (it inspects or rewrites the text), so the text cannot be located"),
     ("replace('.', '!')", "loss mask: the content of message 1 (assistant) does not appear in the rendered "
-                          "conversation, as written or stripped; the template rewrites it"),
+                          "conversation as written or with its ends stripped; the template rewrites it"),
 ])
 def test_template_that_rewrites_content_is_a_reject_not_a_wrong_mask(tiny_model_dir, tmp_path, rewrite, reason):
     template = CHATML_TEMPLATE.replace("message['content']", f"message['content'] | {rewrite}")
@@ -302,7 +308,7 @@ def test_every_reject_reason_duplicates_and_counts(tokenizer, tmp_path):
         {"id": "good", "messages": good},                                           # 1
         '{"id": "broken", "messages": [',                                           # 2
         "[1, 2]",                                                                   # 3
-        {"id": "tool", "messages": [{"role": "tool", "content": "42"}, good[1]]},   # 4
+        {"id": "tool", "messages": [{"role": "ipython", "content": "42"}, good[1]]},  # 4
         {"id": "sg-role", "conversations": [{"from": "bot", "value": "hi"}]},       # 5
         {"id": "no-asst", "messages": [good[0]]},                                   # 6
         {"id": "empty", "messages": [good[0], {"role": "assistant", "content": "  "}]},  # 7
@@ -327,8 +333,9 @@ def test_every_reject_reason_duplicates_and_counts(tokenizer, tmp_path):
                              (8, "nonstr"), (9, "neither"), (10, "both"), (11, "nolist"), (13, "good")]
     assert reasons[(2, None)].startswith("malformed row: bad JSON")
     assert reasons[(3, None)] == "malformed row: a row is a JSON object, not a list"
-    assert reasons[(4, "tool")] == "unknown role 'tool' in message 0; known: assistant, system, user"
-    assert reasons[(5, "sg-role")].startswith("unknown role 'bot' in message 0; known: assistant, chatgpt, gpt")
+    assert reasons[(4, "tool")] == "unknown role 'ipython' in message 0; known: assistant, system, tool, user"
+    assert reasons[(5, "sg-role")].startswith("unknown role 'bot' in message 0; known: assistant, chatgpt, "
+                                              "function_call, gpt")
     assert reasons[(6, "no-asst")] == "no assistant turn"
     assert reasons[(7, "empty")] == "empty content in message 1 (assistant)"
     assert reasons[(8, "nonstr")] == "malformed row: content of message 1 is a NoneType, not a string"
@@ -372,13 +379,13 @@ def test_demo_prompts(tokenizer):
     result = prepare_prompts(DEMO_PROMPTS, tokenizer, max_length=2048)
     assert {r.source_id: r.reason.split(" in message")[0] for r in result.rejected} == {
         "demo-reject-no-assistant": "no assistant turn",
-        "demo-reject-unknown-role": "unknown role 'tool'",
+        "demo-reject-unknown-role": "unknown role 'function'",
     }
     assert [(d.source_id, d.first_source_id) for d in result.duplicates] == [("demo-dup-of-007", "demo-007")]
     assert len(result.samples) == len(rows) - 3 and result.rows_in == len(rows)
     lengths = sorted(len(s.input_ids) for s in result.samples)
     assert lengths[0] < 64 and lengths[-1] > 400
-    messages_by_id = {r["id"]: normalize_messages(r) for r in rows if r["id"][5:].isdigit()}
+    messages_by_id = {r["id"]: normalize_conversation(r).messages for r in rows if r["id"][5:].isdigit()}
     for sample in result.samples:
         assert supervised_runs(tokenizer, sample.input_ids, sample.loss_mask) == assistant_texts(
             messages_by_id[sample.source_id], "<|eot_id|>")
