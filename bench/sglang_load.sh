@@ -13,6 +13,7 @@ SAMPLES=${SAMPLES:-1000}
 UNPATCHED=${UNPATCHED:-1}   # 0: skip the unpatched baseline
 RUNS=${RUNS:-1 2}           # patched server starts
 CONSUME=${CONSUME:-1}       # 0: no consume-only phase
+CHECK_EVERY=${CHECK_EVERY:-1}
 mkdir -p "$RUN" "$DUMPS"
 RESULTS=$RUN/results.jsonl
 log() { echo "[$(date +%T)] $*" | tee -a "$RUN/progress.log"; }
@@ -24,7 +25,8 @@ export PYTHONPATH=$SITE HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 SERVER_FLAGS=(--model-path "$MODEL" --port 30000 --attention-backend triton --sampling-backend pytorch
               --chunked-prefill-size 4096 --mem-fraction-static 0.6 --dtype bfloat16)
-COMMON=(--model-path "$MODEL" --dump-dir "$DUMPS" --samples "$SAMPLES" --in-flight 64 --results "$RESULTS")
+COMMON=(--model-path "$MODEL" --dump-dir "$DUMPS" --samples "$SAMPLES" --in-flight 64 --results "$RESULTS"
+        --check-every "$CHECK_EVERY")
 
 start() {  # start NAME CMD...: in its own process group, healthy within 400 s
     local name=$1; shift

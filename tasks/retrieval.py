@@ -10,6 +10,8 @@ request's own token ids, the configured layers, shapes and finite values.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import threading
 import time
@@ -89,20 +91,31 @@ class InFlightLimit:
     here keeps the writer under its budget when the host cannot keep up: the server gets
     fewer requests (it slows down) instead of refusing pieces it already computed. A
     sample larger than the whole byte budget goes alone.
+
+    Places are granted in order of ``priority`` (then arrival): with the batch index as
+    priority, batches finish one after another, so one batch writes its shard while the
+    next keeps the server busy, instead of all finishing, and writing, at once.
     """
 
     def __init__(self, max_requests: int, max_bytes: int):
         self.max_requests, self.max_bytes = max_requests, max_bytes
         self._requests = self._bytes = 0
         self._cond = threading.Condition()
+        self._waiting: list[tuple[int, int]] = []
+        self._arrivals = itertools.count()
 
     @contextmanager
-    def hold(self, nbytes: int) -> Iterator[None]:
+    def hold(self, nbytes: int, priority: int = 0) -> Iterator[None]:
         nbytes = min(nbytes, self.max_bytes)
+        ticket = (priority, next(self._arrivals))
         with self._cond:
-            self._cond.wait_for(lambda: self._requests < self.max_requests and self._bytes + nbytes <= self.max_bytes)
+            heapq.heappush(self._waiting, ticket)
+            self._cond.wait_for(lambda: self._waiting[0] == ticket and self._requests < self.max_requests
+                                and self._bytes + nbytes <= self.max_bytes)
+            heapq.heappop(self._waiting)
             self._requests += 1
             self._bytes += nbytes
+            self._cond.notify_all()  # the next in line may fit as well
         try:
             yield
         finally:
@@ -199,7 +212,8 @@ def extract_one(settings: RetrievalSettings, reader: DumpReader, sample: Prepare
 
 
 def extract_with_retries(settings: RetrievalSettings, reader: DumpReader, sample: PreparedSample,
-                         session: requests.Session, limit: InFlightLimit) -> TrainingSample | SampleFailure:
+                         session: requests.Session, limit: InFlightLimit,
+                         priority: int = 0) -> TrainingSample | SampleFailure:
     """Up to ``settings.attempts`` attempts with exponential backoff; permanent errors stop at once.
 
     Each attempt holds its place in ``limit``; the backoff between attempts does not.
@@ -208,7 +222,7 @@ def extract_with_retries(settings: RetrievalSettings, reader: DumpReader, sample
     last: SampleError | None = None
     for i in range(settings.attempts):
         try:
-            with limit.hold(nbytes):
+            with limit.hold(nbytes, priority):
                 return extract_one(settings, reader, sample, i + 1, session)
         except SampleError as exc:
             last = exc
@@ -225,16 +239,16 @@ def extract_with_retries(settings: RetrievalSettings, reader: DumpReader, sample
 
 
 def extract_samples(settings: RetrievalSettings, reader: DumpReader, samples: Sequence[PreparedSample],
-                    limit: InFlightLimit, on_done: Callable[[], None] | None = None,
+                    limit: InFlightLimit, on_done: Callable[[], None] | None = None, priority: int = 0,
                     ) -> tuple[list[TrainingSample], list[SampleFailure]]:
-    """Extract a batch under ``limit`` (which other batches to the same server may share).
-    Results keep the input order."""
+    """Extract a batch under ``limit`` (which other batches to the same server may share;
+    lower ``priority`` goes first). Results keep the input order."""
     session = requests.Session()
     adapter = requests.adapters.HTTPAdapter(pool_maxsize=limit.max_requests)
     session.mount("http://", adapter)
 
     def run(sample: PreparedSample) -> TrainingSample | SampleFailure:
-        result = extract_with_retries(settings, reader, sample, session, limit)
+        result = extract_with_retries(settings, reader, sample, session, limit, priority)
         if on_done is not None:
             on_done()
         return result

@@ -46,7 +46,7 @@ def extract_batch_step(index: int, samples: list[PreparedSample], settings: Retr
                        shard_path: Path, limit: InFlightLimit,
                        on_done: Callable[[], None] | None = None, store_dtype: str | None = None) -> BatchResult:
     """Extract one batch and write its shard. A configuration mismatch fails the batch (and the run)."""
-    written, failed = extract_samples(settings, DumpReader(dump_dir), samples, limit, on_done)
+    written, failed = extract_samples(settings, DumpReader(dump_dir), samples, limit, on_done, priority=index)
     mismatch = next((f for f in failed if f.error == ConfigMismatch.__name__), None)
     if mismatch is not None:
         raise ConfigMismatch(mismatch.sample_key, mismatch.source_id, mismatch.reason)

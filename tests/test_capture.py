@@ -140,3 +140,31 @@ def test_the_readers_fast_path_gives_the_gpus_integers(dtype):
         broken = packed.clone()
         broken[7, 1, 3] = bad
         assert not all_finite(broken)
+
+
+def test_in_flight_places_go_to_the_earlier_batch_first():
+    """Batches finish one after another (one writes its shard while the next keeps the server busy)."""
+    import threading
+    import time
+
+    from tasks.retrieval import InFlightLimit
+
+    limit, order = InFlightLimit(max_requests=1, max_bytes=1 << 30), []
+    gate = threading.Event()
+
+    def request(batch: int, i: int):
+        with limit.hold(1, priority=batch):
+            order.append((batch, i))
+            gate.wait(5)
+
+    first = threading.Thread(target=request, args=(0, 0))
+    first.start()
+    time.sleep(0.05)
+    waiting = [threading.Thread(target=request, args=(b, i)) for b, i in [(2, 0), (1, 0), (2, 1), (1, 1)]]
+    for t in waiting:
+        t.start()
+        time.sleep(0.02)
+    gate.set()
+    for t in [first, *waiting]:
+        t.join(5)
+    assert order == [(0, 0), (1, 0), (1, 1), (2, 0), (2, 1)]
