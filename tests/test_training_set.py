@@ -238,10 +238,13 @@ def test_float8_storage_is_half_the_bytes_and_reconstructs_each_token(tmp_path):
 
 
 def test_store_dtype_is_part_of_the_dataset_version():
+    from tasks.chat_template import TemplateVariables
     from tasks.dataset_version import ModelFacts, extraction_config
 
     model = ModelFacts("m", num_layers=8, hidden_size=16, vocab_size=VOCAB, identity="i" * 32)
-    plain = extraction_config(model, None, "bfloat16", "t" * 16, 64, "truncate")
-    fp8 = extraction_config(model, None, "bfloat16", "t" * 16, 64, "truncate", store_dtype="float8_e4m3fn")
+    variables = TemplateVariables().record()
+    plain = extraction_config(model, None, "bfloat16", "t" * 16, 64, "truncate", template_variables=variables)
+    fp8 = extraction_config(model, None, "bfloat16", "t" * 16, 64, "truncate", store_dtype="float8_e4m3fn",
+                            template_variables=variables)
     assert (plain.store_dtype, fp8.store_dtype) == ("bfloat16", "float8_e4m3fn")
     assert plain.fingerprint() != fp8.fingerprint()
