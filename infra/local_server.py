@@ -100,6 +100,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dump-aux-layers", type=int, nargs="+", default=None,
                    help="HF hidden_states indices; default: patches.dumps.default_aux_layer_ids")
     p.add_argument("--dump-max-bytes", type=int, default=None, help="cap on the dump folder's size")
+    p.add_argument("--dump-instance", default=None,
+                   help="this launch's nonce, written into every dump piece and reported by /server_info "
+                        "(default: a fresh random one)")
     p.add_argument("--dump-every-forward", action="store_true",
                    help="the careless hook: a piece for every forward of every request, decode steps included")
     p.add_argument("--log-level", default="INFO")
@@ -521,7 +524,7 @@ class LocalServer:
             raise SystemExit(f"--dump-aux-layers {bad}: HF hidden_states indices must lie in [0, {self.num_layers})")
         self.writer = DumpWriter(DumpSettings(
             dump_dir=args.dump_dir, rid_prefix=args.dump_rid_prefix, model=str(args.model_path),
-            layer_ids=layer_ids, max_dir_bytes=args.dump_max_bytes))
+            layer_ids=layer_ids, max_dir_bytes=args.dump_max_bytes, instance=args.dump_instance or uuid.uuid4().hex))
         eos = self.model.generation_config.eos_token_id
         eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         if self.tokenizer.eos_token_id is not None:
@@ -595,6 +598,7 @@ class LocalServer:
         if server_args.get("api_key"):
             server_args["api_key"] = "***"
         return {**server_args, "version": "local", "dump_aux_layer_ids": list(self.layer_ids),
+                "dump_instance": self.writer.settings.instance,
                 "dump_writer": self.writer.stats(), "scheduler": self.scheduler.load(),
                 "prefix_cache": None if self.scheduler.prefix_cache is None else self.scheduler.prefix_cache.stats()}
 

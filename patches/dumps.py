@@ -18,7 +18,8 @@ Tensors:
 Metadata (safetensors string header, ``format == "eagle3-dump"``, ``version == "2"``):
     rid, chunk_start, chunk_len, prompt_len, prompt_hash (of the whole prompt's ids),
     layer_ids (JSON list), layer_convention, final_norm, dtype, model, forward_mode,
-    checksum (JSON list, see :func:`fold_checksums`).
+    checksum (JSON list, see :func:`fold_checksums`), instance (the writing server's launch
+    nonce: a reader told its own server's instance refuses any other's pieces as foreign).
 
 ``checksum`` is computed where the values are produced (on the GPU, on the forward's own
 stream, before anything else can write their memory) and recomputed by the reader from
@@ -211,19 +212,21 @@ class DumpSettings:
     #: writer threads; a rid always maps to the same one, which keeps its pieces in order.
     #: One thread writes ~0.5 GB/s into /dev/shm; an H200 prefills ~2.7 GB/s of dumps at H=4096.
     writer_threads: int = 8
+    #: this server launch's nonce, written into every piece (launchers always set a fresh one)
+    instance: str = ""
 
     def to_json(self) -> dict:
         """JSON-able, for settings that travel to server processes (the SGLang hook's config)."""
         return {"dump_dir": str(self.dump_dir), "rid_prefix": self.rid_prefix, "model": self.model,
                 "layer_ids": list(self.layer_ids), "max_pending_bytes": self.max_pending_bytes,
                 "max_dir_bytes": self.max_dir_bytes, "queue_pieces": self.queue_pieces,
-                "writer_threads": self.writer_threads}
+                "writer_threads": self.writer_threads, "instance": self.instance}
 
     @classmethod
     def from_json(cls, d: dict) -> "DumpSettings":
         return cls(Path(d["dump_dir"]), str(d["rid_prefix"]), str(d["model"]), tuple(int(i) for i in d["layer_ids"]),
                    int(d["max_pending_bytes"]), None if d["max_dir_bytes"] is None else int(d["max_dir_bytes"]),
-                   int(d["queue_pieces"]), int(d["writer_threads"]))
+                   int(d["queue_pieces"]), int(d["writer_threads"]), str(d["instance"]))
 
 
 @dataclass
@@ -365,7 +368,7 @@ class DumpWriter:
             "layer_ids": json.dumps(list(s.layer_ids)), "layer_convention": LAYER_CONVENTION,
             "final_norm": FINAL_NORM, "dtype": str(piece.aux.dtype).removeprefix("torch."),
             "model": s.model, "forward_mode": piece.forward_mode,
-            "checksum": json.dumps(fold_checksums(piece.row_checksums)),
+            "checksum": json.dumps(fold_checksums(piece.row_checksums)), "instance": s.instance,
         }
         ids = piece.input_ids.to(torch.int64)
         columns = [("input_ids", torch.int64, ids.shape, [ids]),
@@ -461,14 +464,20 @@ class AssembledDump:
     final_norm: str
     dtype: str
     model: str
+    instance: str
     paths: tuple[Path, ...]
 
 
 class DumpReader:
-    """Finds, verifies and assembles a rid's pieces in a dump folder."""
+    """Finds, verifies and assembles a rid's pieces in a dump folder.
 
-    def __init__(self, dump_dir: Path | str):
+    With ``instance`` (the launch nonce of the server this run started), a piece written by
+    any other server, one that shares the folder or answers on a reused port, is foreign.
+    """
+
+    def __init__(self, dump_dir: Path | str, instance: str | None = None):
         self.dump_dir = Path(dump_dir)
+        self.instance = instance
 
     def piece_paths(self, rid: str) -> list[Path]:
         prefix = safe_rid(rid) + "."
@@ -537,6 +546,9 @@ class DumpReader:
         for p in infos:
             if p.rid != rid:
                 raise DumpForeign(rid, self.dump_dir, f"piece {p.path.name} carries rid {p.rid!r}")
+            if self.instance is not None and p.meta.get("instance") != self.instance:
+                raise DumpForeign(rid, self.dump_dir, f"piece {p.path.name} was written by server instance "
+                                  f"{p.meta.get('instance')!r}, not by this run's server {self.instance!r}")
             if p.forward_mode == "decode" or p.chunk_start >= total:
                 continue  # a decode step (a careless hook writes them), not part of the prefill
             if p.prompt_len != total or p.prompt_hash != want_hash:
@@ -580,7 +592,7 @@ class DumpReader:
         if not (all_finite(aux) and all_finite(final)):
             raise DumpCorrupt(rid, self.dump_dir, "hidden states hold NaN or Inf")
         return AssembledDump(rid, ids, aux, final, layer_ids, meta["layer_convention"], meta["final_norm"],
-                             meta["dtype"], meta["model"], tuple(p.path for p in infos))
+                             meta["dtype"], meta["model"], meta.get("instance", ""), tuple(p.path for p in infos))
 
     def _load(self, rid: str, p: PieceInfo) -> dict[str, torch.Tensor]:
         """The piece's tensors, their lengths and their checksum verified."""

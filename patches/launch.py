@@ -19,6 +19,7 @@ import json
 import os
 import shlex
 import sys
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -52,6 +53,9 @@ def dump_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--dump-max-bytes", type=int, default=None, help="cap on the dump folder's size")
     p.add_argument("--dump-max-pending-bytes", type=int, default=DumpSettings.max_pending_bytes,
                    help="host memory the writer queue may hold; over it a piece is refused (error marker)")
+    p.add_argument("--dump-instance", default=None,
+                   help="this launch's nonce, written into every dump piece and shown in /server_info's "
+                        "forward_hooks (default: a fresh random one)")
     p.add_argument("--dump-writer-threads", type=int, default=DumpSettings.writer_threads,
                    help="threads writing dump files (one writes ~0.5 GB/s into /dev/shm)")
     return p
@@ -163,7 +167,8 @@ def plan_launch(rel: Release, dump_args: argparse.Namespace, server_argv: Sequen
                                           model=str(flags.model_path), layer_ids=layer_ids,
                                           max_pending_bytes=dump_args.dump_max_pending_bytes,
                                           max_dir_bytes=dump_args.dump_max_bytes,
-                                          writer_threads=dump_args.dump_writer_threads),
+                                          writer_threads=dump_args.dump_writer_threads,
+                                          instance=dump_args.dump_instance or uuid.uuid4().hex),
                              aux_capture=rel.aux_capture)
     hooks = (json.loads(flags.forward_hooks) if flags.forward_hooks else []) + forward_hook_specs(hook_config)
     argv += ["--forward-hooks", json.dumps(hooks)]

@@ -99,3 +99,16 @@ def test_temporary_files_are_invisible_and_swept(tmp_path, tensors):
     for p in tmp_path.iterdir():
         os.utime(p, (old, old))
     assert reader.remove_stale(ttl_s=3600) == 1 and list(tmp_path.iterdir()) == []
+
+
+def test_a_piece_of_another_server_instance_is_foreign(tmp_path):
+    """Two servers share a dump folder (or one took over the port): only this run's server's pieces count."""
+    ids = list(range(40, 60))
+    ours = make_writer(tmp_path, instance="ours")
+    theirs = make_writer(tmp_path, instance="theirs")
+    assert submit(theirs, "eagle3-shared", ids, 0, 20)
+    theirs.close()
+    ours.close()
+    with pytest.raises(DumpForeign, match="server instance 'theirs', not by this run's server 'ours'"):
+        DumpReader(tmp_path, instance="ours").assemble("eagle3-shared", ids)
+    assert DumpReader(tmp_path, instance="theirs").assemble("eagle3-shared", ids).instance == "theirs"

@@ -56,9 +56,16 @@ def greedy_reference(model, ids: list[int], n: int) -> list[int]:
     return seq[len(ids):]
 
 
-def assert_dump_matches_model(server, model, rid: str, ids: list[int]) -> int:
-    """The rid's assembled dump equals a direct forward; returns how many prefill pieces it had."""
-    reader = DumpReader(server.dump_dir)
+def server_instance(server) -> str:
+    instance = requests.get(server.url + "/server_info", headers=server.headers(), timeout=10).json()["dump_instance"]
+    assert len(instance) == 32
+    return instance
+
+
+def assert_dump_matches_model(server, model, rid: str, ids: list[int], instance: str | None = None) -> int:
+    """The rid's assembled dump, written by this server launch, equals a direct forward; returns how
+    many prefill pieces it had."""
+    reader = DumpReader(server.dump_dir, instance=instance or server_instance(server))
     infos = reader.wait(rid, len(ids), timeout=30)
     dump = reader.assemble(rid, ids, infos)
     aux, final = reference_hidden_states(model, ids, dump.layer_ids)
@@ -263,12 +270,13 @@ def test_sigterm_answers_in_flight_requests_and_drains_the_writer(start_local_se
         futures = [pool.submit(server.generate, rid=rid, input_ids=ids,
                                sampling_params={"max_new_tokens": 6, "ignore_eos": True}) for rid, ids in prompts]
         wait_until_running(server)
+        instance = server_instance(server)
         assert server.stop() == 0, server.log_tail()
         answers = [f.result() for f in futures]
     assert {a.status_code for a in answers} <= {200, 503}
     for (rid, ids), answer in zip(prompts, answers):
         if answer.status_code == 200:  # answered: its dump was drained to disk before the exit
-            assert_dump_matches_model(server, model, rid, ids)
+            assert_dump_matches_model(server, model, rid, ids, instance)
     assert "server ready on http://127.0.0.1:" in server.log_path.read_text()
 
 
