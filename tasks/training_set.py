@@ -141,12 +141,14 @@ def sample_bytes(num_tokens: int, info: DatasetInfo) -> int:
 
 
 def consolidate(version_dir: Path, info: DatasetInfo, keep_keys: set[str] | None = None,
-                exports: Sequence[str] = ("specforge",)) -> ConsolidationSummary:
+                exports: Sequence[str] = ("specforge",), index_rows: list[dict] | None = None) -> ConsolidationSummary:
     """Build the manifest and dataset.json from the version's shards, then the trainer exports.
 
     ``keep_keys``: the samples of the dataset (None: every sample in the shards); samples in
     shards but not in it are left out of the manifest and the exports, their shards untouched.
-    Each export is checked against ``info`` before anything is written.
+    Each export is checked against ``info`` before anything is written. ``index_rows``: the
+    shards' index rows (``read_shard_index``) when the shards are elsewhere (on a GPU node,
+    ``--shards-on node``); the manifest is built from them and no export can be made.
     """
     from tasks.exports import (  # exports derive from this module
         check_exports,
@@ -155,10 +157,14 @@ def consolidate(version_dir: Path, info: DatasetInfo, keep_keys: set[str] | None
 
     version_dir = Path(version_dir)
     check_exports(exports, info)
-    rows = []
-    for shard in list_shards(version_dir):
-        _check_layout(shard, info)
-        rows.extend(read_shard_index(shard))
+    if index_rows is not None and exports:
+        raise TrainingSetError(f"{version_dir}: exports {list(exports)} need the shards here; fetch them first")
+    rows = index_rows
+    if rows is None:
+        rows = []
+        for shard in list_shards(version_dir):
+            _check_layout(shard, info)
+            rows.extend(read_shard_index(shard))
     found = pl.DataFrame(rows, schema=MANIFEST_SCHEMA)
     unique = found.unique(subset="sample_key", keep="first", maintain_order=True)  # shards are in name order
     if keep_keys is None:
