@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 import uuid
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Literal
@@ -33,7 +34,8 @@ from transformers import AutoTokenizer
 
 from infra.node_block import SshNodeBlock
 from infra.server import ServerConfig, start_server
-from infra.ssh import SshHost, SshNode, SshSettings, parse_node_url
+from infra.hosts import redact_command
+from infra.ssh import NodeCommandFailed, SshError, SshHost, SshNode, SshSettings, parse_node_url
 from infra.tiny_model import build_tiny_model
 from patches.dumps import DumpReader
 from tasks.dataset_version import ModelFacts, extraction_config, read_model_facts, version_dir
@@ -133,6 +135,10 @@ class ExtractParameters(BaseModel):
 TOKENIZER_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                    "special_tokens_map.json", "chat_template.jinja", "chat_template.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json")
+
+
+class NodeNotReady(SshError):
+    """The node lacks what the chosen engine needs; the message names it and the command it would run."""
 
 
 def resolve_model(params: ExtractParameters) -> tuple[str, ModelFacts, Path]:
@@ -373,16 +379,25 @@ def run_node_extraction(params: ExtractParameters, model_path: str, out: Path, v
     log = get_run_logger()
     settings = params.node.ssh_settings()
     with SshNode(settings) as node:
-        facts = node.check(params.server.engine, params.server.device_or_default)
+        node.prepare()
+        dump_dir = node.dump_dir
+        host = SshHost(node, lease_timeout_s=params.node.lease_timeout_s)
+        config = server_config(params, model_path, dump_dir, layer_ids)
+        config = replace(config, port=config.port or host.free_port())
+        try:
+            facts = node.check(params.server.engine, params.server.device_or_default)
+        except NodeCommandFailed as exc:
+            raise NodeNotReady(f"{node.name} cannot run --engine {params.server.engine}: {exc.stderr.strip()}; "
+                               f"the server would have been started with: "
+                               f"{redact_command(config.argv(settings.python, config.port), host.secret_flags)}"
+                               ) from exc
         log.info("node %s: python %s, torch %s, GPUs %s, code in %s", node.name, facts["python_version"],
                  facts.get("torch"), facts.get("cuda_devices"), node.code_dir)
-        dump_dir = node.dump_dir
         node.run(["mkdir", "-p", dump_dir])
-        host = SshHost(node, lease_timeout_s=params.node.lease_timeout_s)
         log_path = vdir / "runs" / f"{run_id}-server.log"
         record = record_node_server(out, params, node.resolve(f"{settings.workdir}/servers/{log_path.stem}"))
         try:
-            server = start_server(server_config(params, model_path, dump_dir, layer_ids), log_path, host=host,
+            server = start_server(config, log_path, host=host,
                                   ready_timeout_s=params.server.ready_timeout_s)
             try:
                 on_node = retrieval_settings(params, f"http://127.0.0.1:{server.port}", server.headers(), layer_ids,

@@ -5,15 +5,26 @@ leases, dropped connections."""
 from __future__ import annotations
 
 import json
+import os
+import shlex
+import signal
+import subprocess
 import sys
+import threading
+import time
+from dataclasses import replace
 from pathlib import Path
 
 import polars as pl
 import pytest
 from transformers import AutoTokenizer
 
-from flows.extract import ExtractParameters, NodeOptions, ServerOptions, extract
-from infra.ssh import SshNode, SshSettings
+from flows.extract import REPO, ExtractParameters, NodeNotReady, NodeOptions, ServerOptions, extract
+from infra.server import ServerConfig, ServerStartError
+from infra.ssh import HostKeyChanged, HostKeyUnknown, NodeCommandFailed, SshAuthFailed, SshNode, SshSettings
+from patches.launch import dump_arg_parser, plan_launch
+from patches.sglang_releases import SUPPORTED_RELEASES
+from tests.sshd import keygen
 from tasks.training_set import TrainingSetDataset
 from tests.ground_truth import load_reference_model, reference_hidden_states
 from tests.test_flow import conversations, independent_loss_mask, write_jsonl
@@ -25,8 +36,7 @@ def node_options(sshd, workdir: Path, **kw) -> NodeOptions:
 
 
 def settings(sshd, workdir: Path, **kw) -> SshSettings:
-    return node_options(sshd, workdir).ssh_settings().__class__(**{**node_options(sshd, workdir).ssh_settings().__dict__,
-                                                                   **kw})
+    return replace(node_options(sshd, workdir).ssh_settings(), **kw)
 
 
 def check_against_ground_truth(vdir: Path, rows: list[dict], model_dir: Path) -> None:
@@ -68,3 +78,171 @@ def test_flow_extracts_on_the_node_and_fetches_verified_shards(prefect_api, sshd
     assert (fetched["written_this_run"], fetched["already_present"], fetched["written"]) == (0, 12, 12)
     check_against_ground_truth(vdir, rows, tiny_model_dir)
     assert len(list((vdir / "exports" / "specforge").rglob("*.ckpt"))) == 12
+
+
+# --------------------------------------------------------------------------- refusals
+
+
+def test_unknown_host_key_is_refused_with_its_fingerprint(sshd, tmp_path):
+    empty = tmp_path / "known_hosts"
+    empty.write_text("")
+    with pytest.raises(HostKeyUnknown) as refused, SshNode(settings(sshd, tmp_path, known_hosts=empty)) as node:
+        node.run(["true"])
+    message = str(refused.value)
+    assert sshd.host_key_fingerprint in message and f"ssh-keyscan -p {sshd.port} 127.0.0.1 >> {empty}" in message
+    assert empty.read_text() == "", "the key was written to known_hosts"
+    with pytest.raises(HostKeyUnknown, match="does not exist"), \
+            SshNode(settings(sshd, tmp_path, known_hosts=tmp_path / "absent")) as node:
+        node.run(["true"])
+
+
+def test_changed_host_key_is_refused_with_both_fingerprints(sshd, tmp_path):
+    keygen(tmp_path / "other")
+    kind, blob = (tmp_path / "other.pub").read_text().split()[:2]
+    known = tmp_path / "known_hosts"
+    known.write_text(f"[127.0.0.1]:{sshd.port} {kind} {blob}\n")
+    other_fp = subprocess.run(["ssh-keygen", "-lf", str(tmp_path / "other.pub")], capture_output=True, text=True,
+                              check=True).stdout.split()[1]
+    with pytest.raises(HostKeyChanged) as refused, SshNode(settings(sshd, tmp_path, known_hosts=known)) as node:
+        node.run(["true"])
+    assert sshd.host_key_fingerprint in str(refused.value) and other_fp in str(refused.value)
+    assert f"ssh-keygen -R '[127.0.0.1]:{sshd.port}'" in str(refused.value)
+
+
+def test_a_user_key_the_node_does_not_know_is_refused_clearly(sshd, tmp_path):
+    keygen(tmp_path / "stranger")
+    with pytest.raises(SshAuthFailed, match=r"user 'root' was refused with key SHA256:.*authorized_keys") as refused, \
+            SshNode(settings(sshd, tmp_path, key_path=tmp_path / "stranger", user="root")) as node:
+        node.run(["true"])
+    assert "PRIVATE KEY" not in str(refused.value)
+
+
+HOSTILE = "we ird; $(touch {marker}) `touch {marker}` 'q\"\nline2 && touch {marker}"
+
+
+def test_hostile_values_run_nothing_on_the_node(sshd, tmp_path):
+    marker = tmp_path / "pwned"
+    hostile = HOSTILE.format(marker=marker)
+    with SshNode(settings(sshd, tmp_path / hostile)) as node:
+        node.prepare()
+        assert node.run(["echo", hostile]).stdout.decode() == hostile + "\n"
+        assert node.run(["ls", "-d", node.resolve(node.settings.workdir)]).code == 0
+        node.run(["mkdir", "-p", node.dump_dir])
+        assert Path(node.dump_dir).is_dir()
+        with pytest.raises(NodeCommandFailed, match="has no config.json"):
+            node.agent(["model-facts", "--model-path", hostile])
+    with pytest.raises(NodeCommandFailed, match="exited 127"), \
+            SshNode(settings(sshd, tmp_path, python=f"python3; touch {marker}")) as node:
+        node.prepare()
+    assert not marker.exists()
+
+
+def test_a_server_that_fails_to_start_reports_its_log_tail(prefect_api, sshd, tiny_model_dir, tmp_path):
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", conversations(2))
+    params = ExtractParameters(prompts=str(prompts), model_path=str(tiny_model_dir), out=str(tmp_path / "out"),
+                               server=ServerOptions(extra_args=["--no-such-flag"]),
+                               node=node_options(sshd, tmp_path / "node"))
+    started = time.monotonic()
+    with pytest.raises(ServerStartError, match="(?s)exited during start-up.*unrecognized arguments: --no-such-flag"):
+        extract(params)
+    assert time.monotonic() - started < 120, "the dead server was not noticed at once"
+
+
+def test_sglang_engine_names_what_the_node_lacks_and_the_command_it_would_run(prefect_api, sshd, tiny_model_dir,
+                                                                                tmp_path):
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", conversations(2))
+    params = ExtractParameters(prompts=str(prompts), model_path=str(tiny_model_dir), out=str(tmp_path / "out"),
+                               server=ServerOptions(engine="sglang", api_key="s3cret", extra_args=["--tp-size", "1"]),
+                               node=node_options(sshd, tmp_path / "node"))
+    with pytest.raises(NodeNotReady) as refused:
+        extract(params)
+    message = str(refused.value)
+    assert "SGLang is not installed" in message and "a CUDA GPU" in message
+    assert f"{sys.executable} -m patches.launch --dump-dir {tmp_path}/node/dumps" in message
+    assert "--api-key '***'" in message and "s3cret" not in message
+
+
+def test_sglang_command_line_passes_the_launchers_checks(tmp_path):
+    config = ServerConfig(model_path=Path("/models/llama"), dump_dir=tmp_path, rid_prefix="eagle3-",
+                          aux_layer_ids=(2, 4, 5), dtype="bfloat16", device="cuda", chunked_prefill_size=512,
+                          extra_args=("--tp-size", "2"), engine="sglang")
+    argv = config.argv("/opt/venv/bin/python", 31000)
+    assert argv[:3] == ["/opt/venv/bin/python", "-m", "patches.launch"]
+    split = argv.index("--")
+    plan = plan_launch(SUPPORTED_RELEASES["0.5.23"], dump_arg_parser().parse_args(argv[3:split]), argv[split + 1:],
+                       model=("LlamaForCausalLM", 8))
+    assert plan.hook_config.dump.layer_ids == (2, 4, 5) and plan.hook_config.dump.dump_dir == tmp_path.resolve()
+    got = plan.argv
+    for flag, value in (("--model-path", "/models/llama"), ("--host", "127.0.0.1"), ("--port", "31000"),
+                        ("--dtype", "bfloat16"), ("--chunked-prefill-size", "512"), ("--tp-size", "2")):
+        assert got[got.index(flag) + 1] == value, flag
+
+
+# --------------------------------------------------------------------------- a connection cut, a killed flow
+
+
+def wait_for(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while not (found := predicate()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(0.05)
+    return found
+
+
+def test_a_connection_cut_mid_run_loses_and_duplicates_nothing(prefect_api, sshd, tiny_model_dir, tmp_path):
+    rows = conversations(14)
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", rows)
+    workdir = tmp_path / "node"
+    cuts: list[int] = []
+
+    def cut_twice():
+        for shards in (1, 3):
+            wait_for(lambda: len(list(workdir.glob("versions/*/shards/*.safetensors"))) >= shards, 240,
+                     f"{shards} shards on the node")
+            cuts.append(sshd.cut_connections())
+
+    cutter = threading.Thread(target=cut_twice, daemon=True)
+    cutter.start()
+    summary = extract(ExtractParameters(prompts=str(prompts), model_path=str(tiny_model_dir),
+                                        out=str(tmp_path / "out"), batch_size=2, max_in_flight=1,
+                                        concurrent_batches=2, node=node_options(sshd, workdir, fetch=True)))
+    cutter.join(10)
+    assert len(cuts) == 2 and all(cuts), "the connections were not cut mid-run"
+    assert (summary["written"], summary["failed"], summary["written_this_run"]) == (14, 0, 14)
+    keys = [e["sample_key"] for shard in workdir.glob("versions/*/shards/*.safetensors")
+            for e in json.loads(safe_metadata(shard)["samples"])]
+    assert len(keys) == len(set(keys)) == 14, "a sample was extracted twice or lost"
+    check_against_ground_truth(Path(summary["version_dir"]), rows, tiny_model_dir)
+
+
+def safe_metadata(path: Path) -> dict:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return f.metadata()
+
+
+def test_a_killed_flow_leaves_no_server_on_the_node_after_its_lease(prefect_api, sshd, tiny_model_dir, tmp_path):
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", conversations(30))
+    workdir, flow_log = tmp_path / "node", tmp_path / "flow.log"
+    argv = [sys.executable, "-m", "flows.extract", "--prompts", str(prompts), "--model-path", str(tiny_model_dir),
+            "--out", str(tmp_path / "out"), "--batch-size", "2", "--max-in-flight", "1", "--concurrent-batches", "1",
+            "--node", sshd.url, "--ssh-key", str(sshd.user_key), "--known-hosts", str(sshd.known_hosts),
+            "--node-python", sys.executable, "--node-workdir", str(workdir), "--lease-timeout-s", "4"]
+    with open(flow_log, "wb") as log:
+        flow = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for(lambda: list(workdir.glob("versions/*/shards/*.safetensors")) or flow.poll() is not None, 240,
+                 "a shard on the node")
+        assert flow.poll() is None, flow_log.read_text()[-3000:]
+    finally:
+        os.killpg(flow.pid, signal.SIGKILL)
+        flow.wait()
+    (server_dir,) = (workdir / "servers").iterdir()
+    pid = int((server_dir / "pid").read_text())
+    from infra.node_agent import group_alive
+    assert group_alive(pid), "the server was gone before the lease ran out"
+    wait_for(lambda: not group_alive(pid), 4 + 30, "the server to stop after its lease ran out")
+    log = (server_dir / "server.log").read_text()
+    assert "lease not renewed" in log and "server exited with code 0" in log, log[-2000:]
