@@ -20,7 +20,7 @@ import uuid
 from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Literal
+from typing import Callable, Literal
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_table_artifact
@@ -35,7 +35,7 @@ from transformers import AutoTokenizer
 from infra.node_block import SshNodeBlock
 from infra.server import ServerConfig, start_server
 from infra.hosts import redact_command
-from infra.ssh import NodeCommandFailed, SshError, SshHost, SshNode, SshSettings, parse_node_url
+from infra.ssh import DumpMirror, NodeCommandFailed, SshError, SshHost, SshNode, SshSettings, parse_node_url
 from infra.tiny_model import build_tiny_model
 from patches.dumps import DumpReader
 from tasks.dataset_version import ModelFacts, extraction_config, read_model_facts, version_dir
@@ -89,8 +89,10 @@ class NodeOptions(BaseModel):
     python: str = Field("python3", title="--node-python")
     workdir: str = Field("eagle3-extract", title="--node-workdir", description="Relative: under the node's home.")
     dump_dir: str | None = Field(None, title="--node-dump-dir", description="Empty: <workdir>/dumps.")
-    shards_on: Literal["node"] = Field("node", title="--shards-on",
-                                       description="node: batches run on the node, shards stay there (README).")
+    shards_on: Literal["here", "node"] | None = Field(
+        None, title="--shards-on", description="Where batches run and shards are written: node (the default for an "
+                                               "SSH node: README says why) or here (requests through a tunnel, dumps "
+                                               "read over the connection).")
     fetch: bool = Field(False, title="--fetch",
                         description="Bring the node's shards home after the run and make the exports here.")
     lease_timeout_s: float = Field(60.0, title="Lease (s)", ge=2, le=3600,
@@ -99,6 +101,10 @@ class NodeOptions(BaseModel):
     @property
     def remote(self) -> bool:
         return self.node != "local" or self.block is not None
+
+    @property
+    def shards_remote(self) -> bool:
+        return self.remote and self.shards_on != "here"
 
     def ssh_settings(self) -> SshSettings:
         if self.block:
@@ -166,7 +172,7 @@ def resolve_model(params: ExtractParameters) -> tuple[str, ModelFacts, Path]:
 
 def shard_index(params: ExtractParameters, vdir: Path, fingerprint: str) -> list[dict]:
     """Index rows of the version's finished shards, here or on the node (``--shards-on node``)."""
-    if params.node.remote:
+    if params.node.shards_remote:
         with SshNode(params.node.ssh_settings()) as node:
             node.prepare()
             return node.python_module("tasks.node_batch", ["index", "--version-dir", node.version_dir(fingerprint)])[
@@ -177,7 +183,7 @@ def shard_index(params: ExtractParameters, vdir: Path, fingerprint: str) -> list
 def finish_dataset(params: ExtractParameters, vdir: Path, info: DatasetInfo, keep: set[str]):
     """Manifest, dataset.json and exports. Shards on a node: their index comes back, and with
     ``--fetch`` the shards too (then the exports are made here)."""
-    if not params.node.remote:
+    if not params.node.shards_remote:
         return consolidate_step(vdir, info, keep, list(params.exports))
     rows = shard_index(params, vdir, info.fingerprint)
     if not params.node.fetch:
@@ -305,48 +311,61 @@ def run_extraction(params: ExtractParameters, model_path: str, out: Path, vdir: 
     stale = DumpReader(dump_dir).remove_stale(ttl_s=3600)
     if stale:
         log.info("removed %d stale dump files from %s", stale, dump_dir)
-    opts = params.server
-    server = start_server(server_config(params, model_path, dump_dir, layer_ids), vdir / "runs" / f"{run_id}-server.log", ready_timeout_s=opts.ready_timeout_s)
+    server = start_server(server_config(params, model_path, dump_dir, layer_ids), vdir / "runs" / f"{run_id}-server.log",
+                          ready_timeout_s=params.server.ready_timeout_s)
     try:
         settings = retrieval_settings(params, server.url, server.headers(), layer_ids, hidden_size)
-        started = time.monotonic()
-        batches = [todo[i:i + params.batch_size] for i in range(0, len(todo), params.batch_size)]
-        in_flight = threading.Semaphore(params.max_in_flight)
-        runner = ThreadPoolTaskRunner(max_workers=params.concurrent_batches)
-        with tqdm(total=len(todo), unit="sample", desc="extracting") as bar, runner:
-            futures = [runner.submit(extract_batch_step, parameters=dict(
-                index=i, samples=quote(batch), settings=settings, dump_dir=dump_dir,
-                shard_path=vdir / "shards" / f"shard-{run_id}-{i:05d}.safetensors",
-                max_in_flight=params.max_in_flight, in_flight=in_flight, on_done=bar.update))
-                for i, batch in enumerate(batches)]
-            wait(futures)
-            results = [f.result() for f in futures]
-        tokens = sum(r.shard.tokens for r in results if r.shard)
-        stragglers = [f for r in results for f in r.failures]
-        failures: list[SampleFailure] = []
-        if stragglers:
-            by_key = {s.sample_key: s for s in todo}
-            retry = retry_sample_step.with_options(retries=params.sample_retries,
-                                                   retry_delay_seconds=exponential_backoff(params.backoff_s))
-            pending = [(f, retry.submit(quote(by_key[f.sample_key]), f, settings, dump_dir,
-                                        vdir / "shards" / f"shard-{run_id}-retry-{n:05d}.safetensors"))
-                       for n, f in enumerate(stragglers)]
-            wait([p for _, p in pending])
-            for first, future in pending:
-                if future.state.is_completed():
-                    tokens += future.result().tokens
-                elif not first.retryable:
-                    failures.append(first)  # its node failed at once; nothing was sent again
-                else:
-                    exc = future.state.result(raise_on_failure=False)
-                    if not isinstance(exc, SampleError):
-                        raise exc  # not the sample's fault (a shard that cannot be written...): fail loudly
-                    failures.append(SampleFailure(first.sample_key, first.source_id, exc.reason,
-                                                  type(exc).__name__, exc.retryable, exc.attempt))
-        return tokens, failures, time.monotonic() - started
+        return extract_here(params, settings, dump_dir, vdir, run_id, todo)
     finally:
         code = server.stop()
         log.info("server stopped (exit code %s); log %s", code, server.log_path)
+
+
+def extract_here(params: ExtractParameters, settings: RetrievalSettings, dump_dir: Path, vdir: Path, run_id: str,
+                 todo: list) -> tuple[int, list[SampleFailure], float]:
+    """Batches extracted by this machine (dumps in ``dump_dir``), shards written here."""
+    started = time.monotonic()
+    batches = [todo[i:i + params.batch_size] for i in range(0, len(todo), params.batch_size)]
+    in_flight = threading.Semaphore(params.max_in_flight)
+    runner = ThreadPoolTaskRunner(max_workers=params.concurrent_batches)
+    with tqdm(total=len(todo), unit="sample", desc="extracting") as bar, runner:
+        futures = [runner.submit(extract_batch_step, parameters=dict(
+            index=i, samples=quote(batch), settings=settings, dump_dir=dump_dir,
+            shard_path=vdir / "shards" / f"shard-{run_id}-{i:05d}.safetensors",
+            max_in_flight=params.max_in_flight, in_flight=in_flight, on_done=bar.update))
+            for i, batch in enumerate(batches)]
+        wait(futures)
+        results = [f.result() for f in futures]
+    tokens = sum(r.shard.tokens for r in results if r.shard)
+    retried, failures = retry_stragglers(params, [f for r in results for f in r.failures], todo, retry_sample_step,
+                                         lambda n: (settings, dump_dir,
+                                                    vdir / "shards" / f"shard-{run_id}-retry-{n:05d}.safetensors"))
+    return tokens + retried, failures, time.monotonic() - started
+
+
+def retry_stragglers(params: ExtractParameters, stragglers: list[SampleFailure], todo: list, step,
+                     step_args: Callable[[int], tuple]) -> tuple[int, list[SampleFailure]]:
+    """Each sample its batch could not extract, in its own ``sample-<id>`` task with Prefect retries:
+    ``step(sample, failure, *step_args(n))`` for straggler n, returning a ShardSummary."""
+    if not stragglers:
+        return 0, []
+    by_key = {s.sample_key: s for s in todo}
+    retry = step.with_options(retries=params.sample_retries, retry_delay_seconds=exponential_backoff(params.backoff_s))
+    pending = [(f, retry.submit(quote(by_key[f.sample_key]), f, *step_args(n))) for n, f in enumerate(stragglers)]
+    wait([p for _, p in pending])
+    tokens, failures = 0, []
+    for first, future in pending:
+        if future.state.is_completed():
+            tokens += future.result().tokens
+        elif not first.retryable:
+            failures.append(first)  # its node failed at once; nothing was sent again
+        else:
+            exc = future.state.result(raise_on_failure=False)
+            if not isinstance(exc, SampleError):
+                raise exc  # not the sample's fault (a shard that cannot be written...): fail loudly
+            failures.append(SampleFailure(first.sample_key, first.source_id, exc.reason,
+                                          type(exc).__name__, exc.retryable, exc.attempt))
+    return tokens, failures
 
 
 def server_config(params: ExtractParameters, model_path: str, dump_dir: Path | str,
@@ -370,10 +389,12 @@ def retrieval_settings(params: ExtractParameters, url: str, headers: dict, layer
 def run_node_extraction(params: ExtractParameters, model_path: str, out: Path, vdir: Path, run_id: str,
                         todo: list, layer_ids: tuple[int, ...], hidden_size: int,
                         ) -> tuple[int, list[SampleFailure], float]:
-    """``--shards-on node``: the server and the batches run on the node; shards stay there.
+    """A server on an SSH node. ``--shards-on node``: the batches run on the node too and the
+    shards stay there. ``here``: requests go through a tunnel, dumps come over the connection
+    (infra.ssh.DumpMirror) and the batches run here as with a local server.
 
-    The server listens on the node's loopback: the batches reach it there, the flow's health
-    checks through a tunnel. Its lease is renewed while the flow lives; it is stopped however
+    The server listens on the node's loopback: node-side batches reach it there, the flow
+    through a tunnel. Its lease is renewed while the flow lives; it is stopped however
     the run ends (here, or by the cancellation/crash hooks, or by its lease running out).
     """
     log = get_run_logger()
@@ -400,9 +421,20 @@ def run_node_extraction(params: ExtractParameters, model_path: str, out: Path, v
             server = start_server(config, log_path, host=host,
                                   ready_timeout_s=params.server.ready_timeout_s)
             try:
-                on_node = retrieval_settings(params, f"http://127.0.0.1:{server.port}", server.headers(), layer_ids,
-                                             hidden_size)
-                return extract_on_node(params, node, on_node, dump_dir, node.version_dir(vdir.name), run_id, todo)
+                if params.node.shards_remote:
+                    on_node = retrieval_settings(params, f"http://127.0.0.1:{server.port}", server.headers(),
+                                                 layer_ids, hidden_size)
+                    return extract_on_node(params, node, on_node, dump_dir, node.version_dir(vdir.name), run_id, todo)
+                mirror_dir = out / "dumps" / f"from-{settings.host}-{server.port}"
+                DumpReader(mirror_dir).remove_stale(ttl_s=0)  # an earlier run's leftovers: nobody reads them
+                mirror = DumpMirror(node, dump_dir, mirror_dir, RID_PREFIX)
+                try:
+                    return extract_here(params, retrieval_settings(params, server.url, server.headers(), layer_ids,
+                                                                   hidden_size), mirror_dir, vdir, run_id, todo)
+                finally:
+                    mirror.stop()
+                    log.info("read %d dump files, %.1f MB, over SSH from %s (stream restarted %d times)",
+                             mirror.files, mirror.bytes / 1e6, node.name, mirror.restarts)
             finally:
                 code = server.stop()
                 log.info("server on %s stopped (exit code %s); log %s", node.name, code, server.log_path)
@@ -426,28 +458,11 @@ def extract_on_node(params: ExtractParameters, node: SshNode, settings: Retrieva
             bar.update(len(batch))
         results = [f.result() for f in futures]
     tokens = sum(r.shard.tokens for r in results if r.shard)
-    failures: list[SampleFailure] = []
-    stragglers = [f for r in results for f in r.failures]
-    if stragglers:
-        by_key = {s.sample_key: s for s in todo}
-        retry = node_retry_sample_step.with_options(retries=params.sample_retries,
-                                                    retry_delay_seconds=exponential_backoff(params.backoff_s))
-        pending = [(f, retry.submit(quote(by_key[f.sample_key]), f, settings, node, dump_dir,
-                                    f"{node_vdir}/shards/shard-{run_id}-retry-{n:05d}.safetensors"))
-                   for n, f in enumerate(stragglers)]
-        wait([p for _, p in pending])
-        for first, future in pending:
-            if future.state.is_completed():
-                tokens += future.result().shard.tokens
-            elif not first.retryable:
-                failures.append(first)
-            else:
-                exc = future.state.result(raise_on_failure=False)
-                if not isinstance(exc, SampleError):
-                    raise exc
-                failures.append(SampleFailure(first.sample_key, first.source_id, exc.reason, type(exc).__name__,
-                                              exc.retryable, exc.attempt))
-    return tokens, failures, time.monotonic() - started
+    retried, failures = retry_stragglers(params, [f for r in results for f in r.failures], todo,
+                                         node_retry_sample_step, lambda n: (
+                                             settings, node, dump_dir,
+                                             f"{node_vdir}/shards/shard-{run_id}-retry-{n:05d}.safetensors"))
+    return tokens + retried, failures, time.monotonic() - started
 
 
 def record_run(vdir: Path, run_id: str, summary: dict, failures: list[SampleFailure]) -> None:
@@ -489,7 +504,8 @@ def parse_args(argv: list[str] | None = None) -> ExtractParameters:
     p.add_argument("--node-python", default=n.python)
     p.add_argument("--node-workdir", default=n.workdir)
     p.add_argument("--node-dump-dir", default=None)
-    p.add_argument("--shards-on", choices=["node"], default=n.shards_on)
+    p.add_argument("--shards-on", choices=["here", "node"], default=None,
+                   help="with an SSH node: node (default) or here")
     p.add_argument("--fetch", action="store_true", help="bring a node's shards home and make the exports here")
     p.add_argument("--lease-timeout-s", type=float, default=n.lease_timeout_s)
     argv = list(sys.argv[1:] if argv is None else argv)

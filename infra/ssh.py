@@ -513,6 +513,10 @@ class Tunnel:
 
         def close_both():
             chan.close()
+            try:  # shutdown, not just close: it wakes the other pump's recv and tells the client
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # already shut down by the other pump
             conn.close()
 
         t = threading.Thread(target=pump, args=(chan.recv, conn.sendall, close_both), daemon=True)
@@ -595,3 +599,101 @@ class SshHost:
         for tunnel in self.tunnels:
             tunnel.close()
         self.tunnels.clear()
+
+
+# --------------------------------------------------------------------------- dumps read over the connection
+
+
+class DumpMirror:
+    """Keeps a local folder filled with the dump files of a node folder (``--shards-on here``).
+
+    ``infra.dump_stream`` on the node sends each finished file once; the mirror writes it here
+    atomically under its own name and acknowledges it, and only then is it deleted on the node.
+    A dropped connection restarts the stream, which sends again what was not acknowledged: no
+    file is lost, and a second copy replaces the first (same name). The local
+    :class:`patches.dumps.DumpReader` then reads the mirror as if the server were here.
+    """
+
+    def __init__(self, node: SshNode, remote_dir: str, local_dir: Path, name_prefix: str):
+        self.node, self.remote_dir, self.local_dir, self.name_prefix = node, remote_dir, Path(local_dir), name_prefix
+        self.local_dir.mkdir(parents=True, exist_ok=True)
+        self.bytes = 0
+        self.files = 0
+        self.restarts = 0
+        self.error: BaseException | None = None
+        self._stopped = threading.Event()
+        self._chan: paramiko.Channel | None = None
+        self._thread = threading.Thread(target=self._run, name=f"dump-mirror-{node.settings.host}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        deadline = None
+        while not self._stopped.is_set():
+            try:
+                self._stream_once()
+                deadline = None
+            except SshConnectionLost as exc:
+                if self._stopped.is_set():
+                    return
+                deadline = deadline or time.monotonic() + self.node.settings.reconnect_for_s
+                if time.monotonic() > deadline:
+                    self.error = exc
+                    log.error("%s: dump stream lost for good: %s", self.node.name, exc)
+                    return
+                self.restarts += 1
+                log.warning("%s: dump stream interrupted (%s); restarting it", self.node.name, exc)
+                time.sleep(0.5)
+            except BaseException as exc:  # kept and re-raised by stop(): the run must not go on blind
+                self.error = exc
+                log.error("%s: dump stream failed: %s", self.node.name, exc)
+                return
+
+    def _stream_once(self) -> None:
+        argv = [self.node.settings.python, "-m", "infra.dump_stream", "--dump-dir", self.remote_dir,
+                "--name-prefix", self.name_prefix]
+        line = self.node.command_line(argv, cwd=self.node.code_dir)
+        try:
+            chan = self.node.transport().open_session(timeout=self.node.settings.connect_timeout_s)
+            chan.exec_command(line)
+            self._chan = chan
+            f = chan.makefile("rb", 1 << 20)
+            while header := f.readline():
+                meta = json.loads(header)
+                data = f.read(meta["size"])
+                if len(data) != meta["size"]:
+                    break  # cut mid-file: the node sends it again
+                name = Path(meta["name"]).name  # a name, never a path
+                tmp = self.local_dir / f".{name}.{time.time_ns()}.tmp"
+                tmp.write_bytes(data)
+                tmp.replace(self.local_dir / name)
+                chan.sendall(name.encode() + b"\n")
+                self.bytes += len(data)
+                self.files += 1
+            code = chan.recv_exit_status()
+        except (paramiko.SSHException, EOFError, OSError) as exc:
+            if self._stopped.is_set():
+                return
+            self.node._drop()
+            raise SshConnectionLost(f"{self.node.name}: dump stream: {type(exc).__name__}: {exc}") from exc
+        finally:
+            self._chan = None
+        if self._stopped.is_set():
+            return
+        if code != 0:
+            err = chan.recv_stderr(4000).decode("utf-8", "replace") if chan.recv_stderr_ready() else ""
+            if code == -1:
+                self.node._drop()
+                raise SshConnectionLost(f"{self.node.name}: dump stream ended without an exit status")
+            raise NodeCommandFailed(self.node.name, line, code, err)
+        raise SshConnectionLost(f"{self.node.name}: dump stream ended")
+
+    def stop(self) -> None:
+        """End the stream; re-raise what broke it, if anything did."""
+        self._stopped.set()
+        chan = self._chan
+        if chan is not None:
+            chan.shutdown_write()  # the node side exits on stdin's end
+            chan.close()
+        self._thread.join(30)
+        if self.error is not None:
+            raise self.error

@@ -1,11 +1,11 @@
 """A batch extracted on the GPU node itself (``--shards-on node``): ``python -m tasks.node_batch VERB``.
 
-    extract   stdin: one JSON job (see :func:`job_json`); stdout: the batch's result as JSON
+    extract   stdin: one JSON job (see :func:`job_json`); stdout: the shard's summary and the failures
     index     --version-dir D: the shard index rows of every finished shard there (for resume)
 
 ``extract`` runs the extraction core (tasks.retrieval) against the server on the node's
 loopback, reads dumps from the node's own folder and writes the shard next to them; only
-the shard's summary, its index rows and the failures go back over SSH.
+the shard's summary and the failures go back over SSH.
 
 It is idempotent per shard path, so the flow can run it again after a dropped connection
 without losing or duplicating a sample: a lock file serialises two runs of one batch (an
@@ -63,9 +63,7 @@ def extract_job(job: dict) -> dict:
         written, failed = extract_samples(settings, DumpReader(job["dump_dir"]), samples, job["max_in_flight"],
                                           threading.Semaphore(job["max_in_flight"]))
         shard = write_shard(shard_path, written) if written else None
-        result = {"shard": asdict(shard) if shard else None,
-                  "index": read_shard_index(shard_path) if shard else [],
-                  "failures": [asdict(f) for f in failed]}
+        result = {"shard": asdict(shard) if shard else None, "failures": [asdict(f) for f in failed]}
         tmp = done.with_name(f".{done.name}.tmp")
         tmp.write_text(json.dumps(result))
         os.replace(tmp, done)

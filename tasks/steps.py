@@ -33,11 +33,6 @@ class BatchResult:
     failures: list[SampleFailure] = field(default_factory=list)
 
 
-@dataclass(frozen=True)
-class NodeBatchResult(BatchResult):
-    index_rows: list[dict] = field(default_factory=list)  # the shard's manifest rows (tasks.shards)
-
-
 @task(name="prepare-prompts", cache_policy=NO_CACHE)
 def prepare_step(prompts: Path, tokenizer, max_length: int, on_overlong: str) -> PreparedPrompts:
     return prepare_prompts(prompts, tokenizer, max_length=max_length, on_overlong=on_overlong)
@@ -89,8 +84,8 @@ def consolidate_step(version_dir: Path, info: DatasetInfo, keep_keys: set[str], 
 
 @task(name="extract-batch-on-node", task_run_name="batch-{index:04d}", cache_policy=NO_CACHE)
 def node_batch_step(index: int, samples: list[PreparedSample], settings: RetrievalSettings, node, dump_dir: str,
-                    shard_path: str, max_in_flight: int) -> NodeBatchResult:
-    """Run ``tasks.node_batch extract`` on the node: the shard stays there, its index comes back.
+                    shard_path: str, max_in_flight: int) -> BatchResult:
+    """Run ``tasks.node_batch extract`` on the node: the shard stays there, its summary comes back.
 
     Safe to run again after a dropped connection (the node side keeps each batch's result).
     """
@@ -101,13 +96,13 @@ def node_batch_step(index: int, samples: list[PreparedSample], settings: Retriev
     if mismatch is not None:
         raise ConfigMismatch(mismatch.sample_key, mismatch.source_id, mismatch.reason)
     shard = ShardSummary(**result["shard"]) if result["shard"] else None
-    return NodeBatchResult(index, shard, failed, result["index"])
+    return BatchResult(index, shard, failed)
 
 
 @task(name="retry-sample-on-node", task_run_name="sample-{sample.source_id}", cache_policy=NO_CACHE,
       retry_jitter_factor=0.5, retry_condition_fn=_retry_if_retryable)
 def node_retry_sample_step(sample: PreparedSample, failure: SampleFailure, settings: RetrievalSettings, node,
-                           dump_dir: str, shard_path: str) -> NodeBatchResult:
+                           dump_dir: str, shard_path: str) -> ShardSummary:
     """``retry_sample_step`` for a node: one attempt per Prefect try, its shard (per try) on the node."""
     if not failure.retryable:
         raise PermanentFailure(failure.sample_key, failure.source_id, f"{failure.error}: {failure.reason}")
@@ -120,4 +115,4 @@ def node_retry_sample_step(sample: PreparedSample, failure: SampleFailure, setti
         exc = {c.__name__: c for c in SampleError.__subclasses__()}[f.error](f.sample_key, f.source_id, f.reason)
         exc.attempt = attempt
         raise exc
-    return NodeBatchResult(0, ShardSummary(**result["shard"]), [], result["index"])
+    return ShardSummary(**result["shard"])

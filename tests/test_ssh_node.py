@@ -80,6 +80,33 @@ def test_flow_extracts_on_the_node_and_fetches_verified_shards(prefect_api, sshd
     assert len(list((vdir / "exports" / "specforge").rglob("*.ckpt"))) == 12
 
 
+
+def test_flow_extracts_here_through_a_tunnel_with_dumps_read_over_ssh(prefect_api, sshd, tiny_model_dir, tmp_path):
+    """--shards-on here, with the connection cut once mid-run: the dump stream restarts and
+    re-sends what was not acknowledged; every sample is written once and matches ground truth."""
+    rows = conversations(14)
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", rows)
+    out, workdir = tmp_path / "out", tmp_path / "node"
+    cuts: list[int] = []
+
+    def cut_once():
+        wait_for(lambda: len(list(out.glob("versions/*/shards/*.safetensors"))) >= 2, 240, "2 shards here")
+        cuts.append(sshd.cut_connections())
+
+    cutter = threading.Thread(target=cut_once, daemon=True)
+    cutter.start()
+    summary = extract(ExtractParameters(prompts=str(prompts), model_path=str(tiny_model_dir), out=str(out),
+                                        batch_size=2, max_in_flight=2, concurrent_batches=2,
+                                        server=ServerOptions(chunked_prefill_size=24),
+                                        node=node_options(sshd, workdir, shards_on="here")))
+    cutter.join(10)
+    assert cuts and cuts[0], "the connection was not cut mid-run"
+    assert (summary["written"], summary["failed"], summary["written_this_run"]) == (14, 0, 14)
+    assert not list(workdir.glob("versions/*/shards/*")), "shards were written on the node"
+    assert not [p for p in (workdir / "dumps").iterdir()], "dump files were left on the node"
+    check_against_ground_truth(Path(summary["version_dir"]), rows, tiny_model_dir)
+
+
 # --------------------------------------------------------------------------- refusals
 
 
