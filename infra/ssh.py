@@ -123,6 +123,18 @@ def fingerprint(key: paramiko.PKey) -> str:
     return "SHA256:" + base64.b64encode(hashlib.sha256(key.asbytes()).digest()).decode().rstrip("=")
 
 
+class _Transport(paramiko.Transport):
+    """paramiko's transport with AES-GCM preferred (no separate MAC: ~1.5x the stream rate of its
+    default aes128-ctr + hmac-sha2-256 here) and no re-key started from this side (module doc)."""
+
+    _preferred_ciphers = ("aes128-gcm@openssh.com", "aes256-gcm@openssh.com",
+                          *(c for c in paramiko.Transport._preferred_ciphers if "gcm" not in c))
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.packetizer.REKEY_BYTES = self.packetizer.REKEY_PACKETS = _NO_CLIENT_REKEY
+
+
 class _RefuseUnknownHost(paramiko.MissingHostKeyPolicy):
     def __init__(self, settings: SshSettings):
         self.settings = settings
@@ -211,7 +223,7 @@ class SshNode:
         try:
             client.connect(s.host, port=s.port, username=s.user, pkey=pkey, allow_agent=False, look_for_keys=False,
                            timeout=s.connect_timeout_s, banner_timeout=s.connect_timeout_s,
-                           auth_timeout=s.connect_timeout_s)
+                           auth_timeout=s.connect_timeout_s, transport_factory=_Transport)
         except paramiko.BadHostKeyException as exc:
             client.close()
             raise HostKeyChanged(
@@ -233,7 +245,6 @@ class SshNode:
             raise SshConnectionLost(f"{s.url}: cannot connect: {type(exc).__name__}: {exc}") from exc
         t = client.get_transport()
         t.set_keepalive(max(1, int(s.keepalive_s)))
-        t.packetizer.REKEY_BYTES = t.packetizer.REKEY_PACKETS = _NO_CLIENT_REKEY
         return client
 
     def close(self) -> None:
@@ -604,6 +615,33 @@ class SshHost:
 # --------------------------------------------------------------------------- dumps read over the connection
 
 
+class _AckSender:
+    """Acknowledges received files in batches: one tiny packet per file halved the stream rate."""
+
+    every_s = 0.02
+
+    def __init__(self, chan: paramiko.Channel):
+        self.chan, self.names, self.lock, self.done = chan, [], threading.Lock(), threading.Event()
+        threading.Thread(target=self._run, name="dump-acks", daemon=True).start()
+
+    def add(self, name: str) -> None:
+        with self.lock:
+            self.names.append(name)
+
+    def _run(self) -> None:
+        while not self.done.wait(self.every_s):
+            with self.lock:
+                names, self.names = self.names, []
+            if names:
+                try:
+                    self.chan.sendall("".join(n + "\n" for n in names).encode())
+                except (paramiko.SSHException, EOFError, OSError):
+                    return  # the stream is gone; the node sends the unacknowledged files again
+
+    def stop(self) -> None:
+        self.done.set()
+
+
 class DumpMirror:
     """Keeps a local folder filled with the dump files of a node folder (``--shards-on here``).
 
@@ -656,18 +694,28 @@ class DumpMirror:
             chan = self.node.transport().open_session(timeout=self.node.settings.connect_timeout_s)
             chan.exec_command(line)
             self._chan = chan
-            f = chan.makefile("rb", 1 << 20)
-            while header := f.readline():
-                meta = json.loads(header)
-                data = f.read(meta["size"])
-                if len(data) != meta["size"]:
+            acks = _AckSender(chan)
+            buf = bytearray()  # parsed in place: paramiko's file objects copy per packet (4x slower here)
+            while True:
+                while (eol := buf.find(b"\n")) < 0 and (data := chan.recv(1 << 20)):
+                    buf += data
+                if eol < 0:
+                    break  # the stream ended
+                meta = json.loads(buf[:eol])
+                del buf[:eol + 1]
+                size = meta["size"]
+                while len(buf) < size and (data := chan.recv(1 << 20)):
+                    buf += data
+                if len(buf) < size:
                     break  # cut mid-file: the node sends it again
                 name = Path(meta["name"]).name  # a name, never a path
                 tmp = self.local_dir / f".{name}.{time.time_ns()}.tmp"
-                tmp.write_bytes(data)
+                with open(tmp, "wb") as f:
+                    f.write(memoryview(buf)[:size])
+                del buf[:size]
                 tmp.replace(self.local_dir / name)
-                chan.sendall(name.encode() + b"\n")
-                self.bytes += len(data)
+                acks.add(name)
+                self.bytes += size
                 self.files += 1
             code = chan.recv_exit_status()
         except (paramiko.SSHException, EOFError, OSError) as exc:
@@ -677,6 +725,7 @@ class DumpMirror:
             raise SshConnectionLost(f"{self.node.name}: dump stream: {type(exc).__name__}: {exc}") from exc
         finally:
             self._chan = None
+            acks.stop()
         if self._stopped.is_set():
             return
         if code != 0:
@@ -689,6 +738,7 @@ class DumpMirror:
 
     def stop(self) -> None:
         """End the stream; re-raise what broke it, if anything did."""
+        time.sleep(2 * _AckSender.every_s)  # the last acknowledgements go out first
         self._stopped.set()
         chan = self._chan
         if chan is not None:
