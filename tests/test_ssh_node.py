@@ -273,3 +273,79 @@ def test_a_killed_flow_leaves_no_server_on_the_node_after_its_lease(prefect_api,
     wait_for(lambda: not group_alive(pid), 4 + 30, "the server to stop after its lease ran out")
     log = (server_dir / "server.log").read_text()
     assert "lease not renewed" in log and "server exited with code 0" in log, log[-2000:]
+
+
+# --------------------------------------------------------------------------- GBs over one connection
+
+
+@pytest.fixture(scope="module")
+def rekeying_sshd(tmp_path_factory):
+    """An sshd that re-keys every 64 MB: paramiko was measured to die at re-key (shared/notes/ssh.md)."""
+    from tests.sshd import start_sshd
+
+    server = start_sshd(tmp_path_factory.mktemp("sshd-rekey"), rekey_limit="64M")
+    yield server
+    server.stop()
+
+
+def test_gigabytes_cross_re_keys_and_a_cut_without_loss(rekeying_sshd, tmp_path):
+    import hashlib
+    import tempfile
+
+    sshd = rekeying_sshd
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as shm:
+        shm = Path(shm)
+        block = os.urandom(4 << 20)
+        big = shm / "node-shard.bin"
+        with open(big, "wb") as f:
+            for i in range(300):  # 1.26 GB, every 4 MiB block tagged so a misplaced block shows
+                f.write(i.to_bytes(4, "little") + block[4:])
+        want = hashlib.sha256(big.read_bytes()).hexdigest()
+        local = shm / "here" / "shard.bin"
+        cuts: list[int] = []
+
+        def cut_midway():
+            part = local.with_name(f".{local.name}.part")
+            wait_for(lambda: part.exists() and part.stat().st_size > 500 << 20, 120, "500 MB read")
+            cuts.append(sshd.cut_connections())
+
+        with SshNode(settings(sshd, tmp_path / "work")) as node:
+            cutter = threading.Thread(target=cut_midway, daemon=True)
+            cutter.start()
+            assert node.read_file(str(big), local) == big.stat().st_size
+            cutter.join(10)
+            assert cuts and cuts[0] and node.reconnects >= 1, "the connection was not cut mid-file"
+            assert hashlib.sha256(local.read_bytes()).hexdigest() == want
+            big.unlink()
+            local.unlink()
+
+            node.prepare()
+            from bench.ssh_transfer import make_pieces
+            from infra.ssh import DumpMirror
+            pieces = make_pieces(shm / "node-dumps", 1200, 4)
+            sent = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in pieces}
+            mirror = DumpMirror(node, str(shm / "node-dumps"), shm / "mirror", "eagle3-")
+            wait_for(lambda: mirror.files >= len(pieces) or mirror.error, 300, "every dump file here")
+            mirror.stop()
+            got = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in (shm / "mirror").iterdir()}
+            assert got == sent
+            assert mirror.bytes >= 1200 << 20 and not list((shm / "node-dumps").iterdir())
+
+
+# --------------------------------------------------------------------------- the node as a Prefect block
+
+
+def test_node_block_is_saved_with_its_key_secret_and_chosen_by_name(prefect_api, sshd, tmp_path):
+    from flows.extract import parse_args
+    from infra.node_block import SshNodeBlock
+
+    key = sshd.user_key.read_text()
+    SshNodeBlock(node=sshd.url, ssh_key=key, known_hosts=str(sshd.known_hosts), python=sys.executable,
+                 workdir=str(tmp_path / "work")).save("test-node", overwrite=True)
+    params = parse_args(["--node-block", "test-node"])
+    assert params.node.remote and params.node.shards_remote
+    loaded = SshNodeBlock.load("test-node")
+    assert key not in repr(loaded) and key not in json.dumps(params.model_dump(mode="json"))
+    with SshNode(params.node.ssh_settings()) as node:
+        assert node.run(["echo", "reached"]).stdout == b"reached\n"
+        assert node.settings.key_text == key and key not in repr(node.settings)
