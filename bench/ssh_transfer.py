@@ -11,12 +11,16 @@ The same bytes, as dump-piece files in /dev/shm on the node, are read by:
   acknowledge, delete on the node), into /dev/shm here;
 * the ``--fetch`` path: SshNode.read_file of one file of the same size.
 
-Prints one row per path: MB, seconds, MB/s, % of raw.
+Prints one row per path: MB, seconds, MB/s, % of raw. With ``--flow-prompts FILE`` it also
+runs the flow through the same node in both ``--shards-on`` modes (transformers engine, the
+tiny model unless ``--model-path``) and prints the extraction rate: tokens/s and the dump
+bytes/s the server produced, the rate a ``here`` run must move over SSH.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import subprocess
@@ -45,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mb", type=int, default=1024)
     p.add_argument("--file-mb", type=int, default=4)
     p.add_argument("--rekey-limit", default="256M", help="sshd's RekeyLimit (re-keys during the transfer)")
+    p.add_argument("--flow-prompts", default=None, help="also time the flow in both --shards-on modes on these")
+    p.add_argument("--model-path", default=None)
     a = p.parse_args(argv)
     with tempfile.TemporaryDirectory(dir="/dev/shm") as tmp:
         tmp = Path(tmp)
@@ -85,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
                 t = time.perf_counter()
                 n = node.read_file(str(big), local / "shard.bin")
                 rows.append(("SshNode.read_file (--fetch), one file", n, time.perf_counter() - t))
+            flows = [run_flow(a, sshd, tmp, mode) for mode in ("node", "here")] if a.flow_prompts else []
         finally:
             sshd.stop()
     raw_rate = total / raw_s
@@ -92,7 +99,31 @@ def main(argv: list[str] | None = None) -> int:
     for name, nbytes, secs in rows:
         rate = nbytes / secs
         print(f"| {name} | {nbytes / 1e6:.0f} | {secs:.2f} | {rate / 1e6:.0f} | {100 * rate / raw_rate:.0f}% |")
+    if flows:
+        print("\n| --shards-on | samples | tokens/s | dump MB/s produced | extraction s | flow wall s |\n|---|---|---|---|---|---|")
+        for mode, summary, extract_s, dump_rate in flows:
+            print(f"| {mode} | {summary['written_this_run']} | {summary['tokens_per_s']:.0f} | {dump_rate / 1e6:.1f} "
+                  f"| {extract_s:.1f} | {summary['wall_s']:.1f} |")
     return 0
+
+
+def run_flow(a, sshd, tmp: Path, mode: str) -> tuple[str, dict, float, float]:
+    """The flow from a shell through the node; (mode, summary, extraction seconds, dump bytes/s)."""
+    model = a.model_path
+    if model is None:
+        from infra.tiny_model import build_tiny_model
+        model = str(build_tiny_model(tmp / "tiny"))
+    out = tmp / f"out-{mode}"
+    done = subprocess.run([sys.executable, "-m", "flows.extract", "--prompts", a.flow_prompts, "--model-path", model,
+                           "--out", str(out), "--node", sshd.url, "--ssh-key", str(sshd.user_key), "--known-hosts",
+                           str(sshd.known_hosts), "--node-python", sys.executable, "--node-workdir",
+                           str(tmp / f"work-{mode}"), "--shards-on", mode, "--exports"],
+                          capture_output=True, text=True, check=True)
+    summary = json.loads(done.stdout[done.stdout.index("{"):])
+    info = json.loads((Path(summary["version_dir"]) / "dataset.json").read_text())
+    width = (len(info["layer_ids"]) + 1) * info["hidden_size"] * {"float32": 4}.get(info["dtype"], 2)
+    extract_s = summary["tokens_this_run"] / summary["tokens_per_s"]
+    return mode, summary, extract_s, summary["tokens_per_s"] * (width + 8)
 
 
 if __name__ == "__main__":
