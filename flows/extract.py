@@ -12,6 +12,7 @@ stop the server however the run ends.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import threading
@@ -441,6 +442,8 @@ def run_node_extraction(params: ExtractParameters, model_path: str, out: Path, v
         finally:
             host.close()
             record.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # other servers of this run may still be noted there
+                record.parent.rmdir()
 
 
 def extract_on_node(params: ExtractParameters, node: SshNode, settings: RetrievalSettings, dump_dir: str,

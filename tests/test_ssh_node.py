@@ -349,3 +349,40 @@ def test_node_block_is_saved_with_its_key_secret_and_chosen_by_name(prefect_api,
     with SshNode(params.node.ssh_settings()) as node:
         assert node.run(["echo", "reached"]).stdout == b"reached\n"
         assert node.settings.key_text == key and key not in repr(node.settings)
+
+
+# --------------------------------------------------------------------------- the node agent's start checks
+
+
+def test_node_agent_refuses_a_busy_port_and_stops_a_server_an_earlier_run_left(sshd, tmp_path):
+    import socket
+
+    from infra.node_agent import group_alive
+
+    with SshNode(settings(sshd, tmp_path / "work")) as node:
+        node.prepare()
+        servers = node.resolve(f"{node.settings.workdir}/servers")
+        busy = socket.socket()
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        web = [sys.executable, "-m", "http.server", "--bind", "127.0.0.1"]
+        with pytest.raises(NodeCommandFailed, match=f"port {port} on 127.0.0.1 is already in use"):
+            node.agent(["start", "--server-dir", f"{servers}/a", "--port", str(port), "--lease-timeout-s", "60",
+                        "--", *web, str(port)])
+        busy.close()
+
+        # An earlier run's server whose supervisor is gone too (a node reboot of the agent, an OOM kill):
+        # nothing renews or watches its lease; the next start on the node finds and stops it.
+        left = node.agent(["start", "--server-dir", f"{servers}/left", "--port", str(port), "--lease-timeout-s", "1",
+                           "--", *web, str(port)])
+        wait_for(lambda: (Path(servers) / "left" / "server_pid").exists(), 30, "the server's pid")
+        os.kill(left["pid"], signal.SIGKILL)  # the supervisor only; the server runs on in its group
+        assert group_alive(left["pid"])
+        time.sleep(1.5)
+        other = node.agent(["free-port"])["port"]
+        answer = node.agent(["start", "--server-dir", f"{servers}/next", "--port", str(other),
+                             "--lease-timeout-s", "60", "--", *web, str(other)])
+        assert len(answer["stopped_leftovers"]) == 1 and "left (pid" in answer["stopped_leftovers"][0]
+        assert not group_alive(left["pid"])
+        assert node.agent(["stop", "--server-dir", f"{servers}/next"])["stop"] == "stopped by SIGTERM"
