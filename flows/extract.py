@@ -26,6 +26,7 @@ from typing import Callable, Literal
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_table_artifact
 from prefect.futures import wait
+from prefect.runtime import flow_run as current_flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.tasks import exponential_backoff
 from prefect.utilities.annotations import quote
@@ -203,14 +204,13 @@ def finish_dataset(params: ExtractParameters, vdir: Path, info: DatasetInfo, kee
 # --------------------------------------------------------------------------- stopping node servers from hooks
 
 
-def record_node_server(out: Path, params: ExtractParameters, server_dir: str) -> Path:
-    """Note a node server this flow run starts, so the cancellation/crash hooks can stop it."""
-    from prefect.runtime import flow_run
-
-    folder = out / "node-servers" / str(flow_run.id or "no-flow-run")
+def record_node_server(out: Path, node: NodeOptions, server_dir: str, flow_run_id: str) -> Path:
+    """Note a node server a flow run starts, so its cancellation/crash hooks can stop it
+    (they may run in another process, a worker's, so the note is a file, without secrets)."""
+    folder = out / "node-servers" / flow_run_id
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{uuid.uuid4().hex[:8]}.json"
-    path.write_text(json.dumps({"node": params.node.model_dump(), "server_dir": server_dir}))
+    path.write_text(json.dumps({"node": node.model_dump(), "server_dir": server_dir}))
     return path
 
 
@@ -417,7 +417,8 @@ def run_node_extraction(params: ExtractParameters, model_path: str, out: Path, v
                  facts.get("torch"), facts.get("cuda_devices"), node.code_dir)
         node.run(["mkdir", "-p", dump_dir])
         log_path = vdir / "runs" / f"{run_id}-server.log"
-        record = record_node_server(out, params, node.resolve(f"{settings.workdir}/servers/{log_path.stem}"))
+        record = record_node_server(out, params.node, node.resolve(f"{settings.workdir}/servers/{log_path.stem}"),
+                                    str(current_flow_run.id))
         try:
             server = start_server(config, log_path, host=host,
                                   ready_timeout_s=params.server.ready_timeout_s)

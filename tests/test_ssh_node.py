@@ -58,7 +58,10 @@ def check_against_ground_truth(vdir: Path, rows: list[dict], model_dir: Path) ->
 
 
 def test_flow_extracts_on_the_node_and_fetches_verified_shards(prefect_api, sshd, tiny_model_dir, tmp_path):
-    rows = conversations(12)
+    marker = tmp_path / "pwned"
+    hostile = HOSTILE.format(marker=marker)
+    rows = conversations(11) + [{"id": hostile, "messages": [{"role": "user", "content": hostile},
+                                                             {"role": "assistant", "content": hostile}]}]
     prompts = write_jsonl(tmp_path / "prompts.jsonl", rows)
     workdir = tmp_path / "node"
     params = ExtractParameters(prompts=str(prompts), model_path=str(tiny_model_dir), out=str(tmp_path / "out"),
@@ -78,6 +81,7 @@ def test_flow_extracts_on_the_node_and_fetches_verified_shards(prefect_api, sshd
     assert (fetched["written_this_run"], fetched["already_present"], fetched["written"]) == (0, 12, 12)
     check_against_ground_truth(vdir, rows, tiny_model_dir)
     assert len(list((vdir / "exports" / "specforge").rglob("*.ckpt"))) == 12
+    assert not marker.exists(), "a prompt ran a command on the node"
 
 
 
@@ -386,3 +390,33 @@ def test_node_agent_refuses_a_busy_port_and_stops_a_server_an_earlier_run_left(s
         assert len(answer["stopped_leftovers"]) == 1 and "left (pid" in answer["stopped_leftovers"][0]
         assert not group_alive(left["pid"])
         assert node.agent(["stop", "--server-dir", f"{servers}/next"])["stop"] == "stopped by SIGTERM"
+
+
+
+def test_crash_and_cancellation_hooks_stop_the_servers_a_run_noted(prefect_api, sshd, tmp_path):
+    """What a worker does when it cancels a run or finds it crashed: the hook, in another process
+    than the flow's, reads the run's notes and stops those servers at once (not at lease end)."""
+    from prefect import get_client
+    from prefect.states import Crashed
+
+    from flows.extract import record_node_server, stop_node_servers
+    from infra.node_agent import group_alive
+    from infra.ssh import SshHost
+
+    out = tmp_path / "out"
+    options = node_options(sshd, tmp_path / "work")
+    with get_client(sync_client=True) as client:
+        run = client.create_flow_run(extract, parameters={"params": {"out": str(out)}})
+    with SshNode(options.ssh_settings()) as node:
+        node.prepare()
+        host = SshHost(node, lease_timeout_s=600)
+        port = host.free_port()
+        process = host.start([sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(port)],
+                             tmp_path / "run-server.log", port)
+        node.stop_leases()  # the flow is gone: nobody renews
+        record_node_server(out, options, process.server_dir, str(run.id))
+        pid = int((Path(process.server_dir) / "pid").read_text())
+        assert group_alive(pid)
+    stop_node_servers(extract, run, Crashed())
+    assert not group_alive(pid)
+    assert not list((out / "node-servers" / str(run.id)).iterdir())
