@@ -2,6 +2,8 @@
 
     python -m flows.extract                      # the demo: tiny local model, demo prompts, ./out
     python -m flows.extract --prompts FILE --out DIR --model-path DIR [--chunked-prefill-size N] ...
+    python -m flows.extract ... --engine sglang --node ssh://USER@HOST[:PORT] --ssh-key KEY \
+        --known-hosts FILE [--node-python PY] [--node-workdir DIR] [--node-dump-dir DIR] [-- SGLang flags]
 
 Start the server, prepare prompts, map batches, retry stragglers one by one, consolidate,
 stop the server however the run ends.
@@ -10,16 +12,20 @@ stop the server however the run ends.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import sys
 import time
 import uuid
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_table_artifact
 from prefect.futures import wait
+from prefect.runtime import flow_run as current_flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.tasks import exponential_backoff
 from prefect.utilities.annotations import quote
@@ -27,16 +33,20 @@ from pydantic import BaseModel, Field, SecretStr
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
+from infra.node_block import SshNodeBlock
 from infra.server import ServerConfig, start_server
+from infra.hosts import redact_command
+from infra.ssh import DumpMirror, NodeCommandFailed, SshError, SshHost, SshNode, SshSettings, parse_node_url
 from infra.tiny_model import build_tiny_model
 from patches.dumps import DumpReader
-from tasks.dataset_version import extraction_config, read_model_facts, version_dir
+from tasks.dataset_version import ModelFacts, extraction_config, read_model_facts, version_dir
 from tasks.exports import check_exports
 from tasks.chat_template import DEFAULT_ENABLE_THINKING, DEFAULT_TEMPLATE_DATE, TemplateVariables, template_hash
 from tasks.prompts import write_rejects
 from tasks.retrieval import ExpectedDump, InFlightLimit, RetrievalSettings, SampleError, SampleFailure
-from tasks.steps import consolidate_step, extract_batch_step, prepare_step, retry_sample_step
-from tasks.shards import read_shard_index
+from tasks.steps import (consolidate_step, extract_batch_step, node_batch_step, node_retry_sample_step, prepare_step,
+                         retry_sample_step)
+from tasks.shards import list_shards, read_shard_index
 from tasks.training_set import DatasetInfo
 from tasks.vocab_mapping import draft_vocab_size_for
 
@@ -49,15 +59,63 @@ PROJECT_VERSION = "0.1.0"
 class ServerOptions(BaseModel):
     """How the model server is run (flags under SGLang's names)."""
 
+    engine: Literal["transformers", "sglang"] = Field(
+        "transformers", title="--engine",
+        description="transformers: the project's own server (a Hugging Face forward, CPU or GPU); "
+                    "sglang: real SGLang with the dump patch (patches.launch), on a GPU node.")
     chunked_prefill_size: int | None = Field(None, title="--chunked-prefill-size", ge=-1,
                                              description="Prefill tokens per forward; -1 disables chunking.")
     disable_radix_cache: bool = Field(False, title="--disable-radix-cache")
     skip_server_warmup: bool = Field(False, title="--skip-server-warmup")
-    device: Literal["cpu", "cuda"] = Field("cpu", title="--device")
+    device: Literal["cpu", "cuda"] | None = Field(None, title="--device",
+                                                  description="Empty: cpu for the transformers engine, cuda for sglang.")
     port: int = Field(0, title="--port", ge=0, le=65535, description="0 picks a free port.")
     api_key: SecretStr | None = Field(None, title="--api-key")
     ready_timeout_s: float = Field(300.0, title="Seconds to wait for /health", gt=0)
     extra_args: list[str] = Field([], title="More server flags", description="Passed to the server as they are.")
+
+    @property
+    def device_or_default(self) -> str:
+        return self.device or ("cuda" if self.engine == "sglang" else "cpu")
+
+
+class NodeOptions(BaseModel):
+    """Where the server runs: this machine, or a GPU node over SSH (paths are the node's)."""
+
+    node: str = Field("local", title="--node", description="local, or ssh://USER@HOST[:PORT]")
+    block: str | None = Field(None, title="--node-block",
+                              description="A saved eagle3-ssh-node block; replaces node, key, known_hosts, "
+                                          "python, workdir and dump folder below.")
+    ssh_key: str | None = Field(None, title="--ssh-key", description="Private key file on this machine.")
+    known_hosts: str = Field("~/.ssh/known_hosts", title="--known-hosts",
+                             description="The node's host key must be in it; an unknown key is refused.")
+    python: str = Field("python3", title="--node-python")
+    workdir: str = Field("eagle3-extract", title="--node-workdir", description="Relative: under the node's home.")
+    dump_dir: str | None = Field(None, title="--node-dump-dir", description="Empty: <workdir>/dumps.")
+    shards_on: Literal["here", "node"] | None = Field(
+        None, title="--shards-on", description="Where batches run and shards are written: node (the default for an "
+                                               "SSH node: README says why) or here (requests through a tunnel, dumps "
+                                               "read over the connection).")
+    fetch: bool = Field(False, title="--fetch",
+                        description="Bring the node's shards home after the run and make the exports here.")
+    lease_timeout_s: float = Field(60.0, title="Lease (s)", ge=2, le=3600,
+                                   description="A server whose lease the flow stops renewing stops after this.")
+
+    @property
+    def remote(self) -> bool:
+        return self.node != "local" or self.block is not None
+
+    @property
+    def shards_remote(self) -> bool:
+        return self.remote and self.shards_on != "here"
+
+    def ssh_settings(self) -> SshSettings:
+        if self.block:
+            return SshNodeBlock.load(self.block).settings()
+        user, host, port = parse_node_url(self.node)
+        return SshSettings(user=user, host=host, port=port, known_hosts=Path(self.known_hosts),
+                           key_path=Path(self.ssh_key) if self.ssh_key else None, python=self.python,
+                           workdir=self.workdir, dump_dir=self.dump_dir)
 
 
 class ExtractParameters(BaseModel):
@@ -66,6 +124,7 @@ class ExtractParameters(BaseModel):
                                    description="A local Hugging Face model folder; empty: the tiny demo model.")
     out: str = Field("out", title="Output folder")
     server: ServerOptions = Field(default_factory=ServerOptions)
+    node: NodeOptions = Field(default_factory=NodeOptions)
     batch_size: int = Field(100, title="Samples per batch task", ge=1, le=5000)
     max_in_flight: int = Field(8, title="Requests in flight", ge=1, le=1024)
     max_dump_bytes_in_flight: int = Field(
@@ -104,24 +163,106 @@ class ExtractParameters(BaseModel):
         return TemplateVariables(self.template_date, self.enable_thinking, self.chat_template_kwargs)
 
 
-def resolve_model(params: ExtractParameters) -> Path:
+#: the files of a model folder the flow machine needs (config and tokenizer), fetched from a node
+TOKENIZER_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                   "special_tokens_map.json", "chat_template.jinja", "chat_template.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json")
+
+
+class NodeNotReady(SshError):
+    """The node lacks what the chosen engine needs; the message names it and the command it would run."""
+
+
+def resolve_model(params: ExtractParameters) -> tuple[str, ModelFacts, Path]:
+    """(model path as the server sees it, its facts, a local folder with its config and tokenizer)."""
+    if params.node.remote:
+        if not params.model_path:
+            raise ValueError("--model-path (a folder on the node) is required with --node ssh://...")
+        with SshNode(params.node.ssh_settings()) as node:
+            node.prepare()
+            facts = ModelFacts(**node.agent(["model-facts", "--model-path", params.model_path]))
+            local = Path(params.out).resolve() / "models" / "node" / facts.identity
+            names = node.run(["ls", "-1", params.model_path]).stdout.decode().splitlines()
+            for name in sorted(set(names) & set(TOKENIZER_FILES)):
+                if not (local / name).exists():
+                    node.read_file(f"{params.model_path}/{name}", local / name)
+        return params.model_path, facts, local
     if params.model_path:
         path = Path(params.model_path).expanduser().resolve()
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"model folder {path} has no config.json")
-        return path
-    return build_tiny_model(Path(params.out).resolve() / "models" / "tiny")
+    else:
+        path = build_tiny_model(Path(params.out).resolve() / "models" / "tiny")
+    return str(path), read_model_facts(path), path
+
+
+def shard_index(params: ExtractParameters, vdir: Path, fingerprint: str) -> list[dict]:
+    """Index rows of the version's finished shards, here or on the node (``--shards-on node``)."""
+    if params.node.shards_remote:
+        with SshNode(params.node.ssh_settings()) as node:
+            node.prepare()
+            return node.python_module("tasks.node_batch", ["index", "--version-dir", node.version_dir(fingerprint)])[
+                "index"]
+    return [row for shard in list_shards(vdir) for row in read_shard_index(shard)]
+
+
+def finish_dataset(params: ExtractParameters, vdir: Path, info: DatasetInfo, keep: set[str]):
+    """Manifest, dataset.json and exports. Shards on a node: their index comes back, and with
+    ``--fetch`` the shards too (then the exports are made here)."""
+    if not params.node.shards_remote:
+        return consolidate_step(vdir, info, keep, list(params.exports), params.draft_vocab_size)
+    rows = shard_index(params, vdir, info.fingerprint)
+    if not params.node.fetch:
+        get_run_logger().info("shards stay on %s; --fetch brings them home and makes the exports %s",
+                              params.node.ssh_settings().url, params.exports)
+        return consolidate_step(vdir, info, keep, [], params.draft_vocab_size, index_rows=rows)
+    with SshNode(params.node.ssh_settings()) as node:
+        node.prepare()
+        remote = node.version_dir(info.fingerprint)
+        for name in sorted({row["shard"] for row in rows if row["sample_key"] in keep}):
+            if not (vdir / "shards" / name).exists():
+                node.read_file(f"{remote}/shards/{name}", vdir / "shards" / name)
+    return consolidate_step(vdir, info, keep, list(params.exports), params.draft_vocab_size)
+
+
+# --------------------------------------------------------------------------- stopping node servers from hooks
+
+
+def record_node_server(out: Path, node: NodeOptions, server_dir: str, flow_run_id: str) -> Path:
+    """Note a node server a flow run starts, so its cancellation/crash hooks can stop it
+    (they may run in another process, a worker's, so the note is a file, without secrets)."""
+    folder = out / "node-servers" / flow_run_id
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{uuid.uuid4().hex[:8]}.json"
+    path.write_text(json.dumps({"node": node.model_dump(), "server_dir": server_dir}))
+    return path
+
+
+def stop_node_servers(flow, flow_run, state) -> None:
+    """on_cancellation / on_crashed: stop the node servers the run left (the lease would, later)."""
+    from prefect.logging.loggers import flow_run_logger
+
+    log = flow_run_logger(flow_run, flow)
+    out = Path((flow_run.parameters.get("params") or {}).get("out", ExtractParameters().out)).resolve()
+    for path in sorted((out / "node-servers" / str(flow_run.id)).glob("*.json")):
+        record = json.loads(path.read_text())
+        with SshNode(NodeOptions(**record["node"]).ssh_settings()) as node:
+            node.prepare()
+            answer = node.agent(["stop", "--server-dir", record["server_dir"]])
+        log.info("%s: stopped server %s after the run ended as %s: %s", node.name, record["server_dir"],
+                 state.name, answer["stop"])
+        path.unlink()
 
 
 # Bounded: the default thread pool is unbounded (prefect.md); it runs the per-sample retry tasks.
-@flow(name="extract-eagle3", task_runner=ThreadPoolTaskRunner(max_workers=4), log_prints=False)
+@flow(name="extract-eagle3", task_runner=ThreadPoolTaskRunner(max_workers=4), log_prints=False,
+      on_cancellation=[stop_node_servers], on_crashed=[stop_node_servers])
 def extract(params: ExtractParameters = ExtractParameters()) -> dict:
     log = get_run_logger()
     started = time.monotonic()
     out = Path(params.out).resolve()
-    model_path = resolve_model(params)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    facts = read_model_facts(model_path)
+    model_path, facts, tokenizer_dir = resolve_model(params)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     variables = params.template_variables()
     config = extraction_config(facts, params.aux_layers, params.dtype, template_hash(tokenizer),
                                params.max_length, params.on_overlong, params.store_dtype,
@@ -142,8 +283,7 @@ def extract(params: ExtractParameters = ExtractParameters()) -> dict:
 
     prepared = prepare_step(Path(params.prompts), tokenizer, params.max_length, params.on_overlong, variables)
     write_rejects(vdir / "rejects.jsonl", prepared.rejected)
-    done = {row["sample_key"] for shard in sorted((vdir / "shards").glob("*.safetensors"))
-            for row in read_shard_index(shard)}
+    done = {row["sample_key"] for row in shard_index(params, vdir, config.fingerprint())}
     todo = [s for s in prepared.samples if s.sample_key not in done]
     log.info("%d rows: %d samples (%d already extracted), %d duplicates, %d rejected",
              prepared.rows_in, len(prepared.samples), len(prepared.samples) - len(todo),
@@ -162,7 +302,7 @@ def extract(params: ExtractParameters = ExtractParameters()) -> dict:
 
     failed_keys = {f.sample_key for f in failures}
     keep = {s.sample_key for s in prepared.samples if s.sample_key not in failed_keys}
-    consolidated = consolidate_step(vdir, info, keep, list(params.exports), params.draft_vocab_size)
+    consolidated = finish_dataset(params, vdir, info, keep)
 
     summary = {
         "run": run_id, "version": config.fingerprint(), "version_dir": str(vdir),
@@ -188,9 +328,11 @@ def extract(params: ExtractParameters = ExtractParameters()) -> dict:
     return summary
 
 
-def run_extraction(params: ExtractParameters, model_path: Path, out: Path, vdir: Path, run_id: str,
+def run_extraction(params: ExtractParameters, model_path: str, out: Path, vdir: Path, run_id: str,
                    todo: list, layer_ids: tuple[int, ...], hidden_size: int) -> tuple[int, list[SampleFailure], float]:
     """Start the server, extract every batch, retry stragglers, stop the server whatever happens."""
+    if params.node.remote:
+        return run_node_extraction(params, model_path, out, vdir, run_id, todo, layer_ids, hidden_size)
     log = get_run_logger()
     dump_dir = out / "dumps"
     dump_dir.mkdir(parents=True, exist_ok=True)
@@ -198,59 +340,163 @@ def run_extraction(params: ExtractParameters, model_path: Path, out: Path, vdir:
     stale = DumpReader(dump_dir).remove_stale(ttl_s=3600)
     if stale:
         log.info("removed %d stale dump files from %s", stale, dump_dir)
-    opts = params.server
-    api_key = opts.api_key.get_secret_value() if opts.api_key else None
-    server_config = ServerConfig(model_path=model_path, dump_dir=dump_dir, rid_prefix=RID_PREFIX, port=opts.port,
-                                 aux_layer_ids=layer_ids, dtype=params.dtype, device=opts.device,
-                                 chunked_prefill_size=opts.chunked_prefill_size,
-                                 disable_radix_cache=opts.disable_radix_cache,
-                                 skip_server_warmup=opts.skip_server_warmup, api_key=api_key,
-                                 extra_args=tuple(opts.extra_args))
-    server = start_server(server_config, vdir / "runs" / f"{run_id}-server.log", ready_timeout_s=opts.ready_timeout_s)
+    server = start_server(server_config(params, model_path, dump_dir, layer_ids), vdir / "runs" / f"{run_id}-server.log",
+                          ready_timeout_s=params.server.ready_timeout_s)
     try:
-        settings = RetrievalSettings(url=server.url, rid_prefix=RID_PREFIX,
-                                     expected=ExpectedDump(tuple(layer_ids), hidden_size, params.dtype),
-                                     headers=tuple(server.headers().items()), attempts=params.attempts,
-                                     backoff_s=params.backoff_s)
-        started = time.monotonic()
-        batches = [todo[i:i + params.batch_size] for i in range(0, len(todo), params.batch_size)]
-        limit = InFlightLimit(params.max_in_flight, params.max_dump_bytes_in_flight)
-        runner = ThreadPoolTaskRunner(max_workers=params.concurrent_batches)
-        with tqdm(total=len(todo), unit="sample", desc="extracting") as bar, runner:
-            futures = [runner.submit(extract_batch_step, parameters=dict(
-                index=i, samples=quote(batch), settings=settings, dump_dir=dump_dir,
-                shard_path=vdir / "shards" / f"shard-{run_id}-{i:05d}.safetensors",
-                limit=limit, on_done=bar.update, store_dtype=params.store_dtype))
-                for i, batch in enumerate(batches)]
-            wait(futures)
-            results = [f.result() for f in futures]
-        tokens = sum(r.shard.tokens for r in results if r.shard)
-        stragglers = [f for r in results for f in r.failures]
-        failures: list[SampleFailure] = []
-        if stragglers:
-            by_key = {s.sample_key: s for s in todo}
-            retry = retry_sample_step.with_options(retries=params.sample_retries,
-                                                   retry_delay_seconds=exponential_backoff(params.backoff_s))
-            pending = [(f, retry.submit(quote(by_key[f.sample_key]), f, settings, dump_dir,
-                                        vdir / "shards" / f"shard-{run_id}-retry-{n:05d}.safetensors",
-                                        params.store_dtype))
-                       for n, f in enumerate(stragglers)]
-            wait([p for _, p in pending])
-            for first, future in pending:
-                if future.state.is_completed():
-                    tokens += future.result().tokens
-                elif not first.retryable:
-                    failures.append(first)  # its node failed at once; nothing was sent again
-                else:
-                    exc = future.state.result(raise_on_failure=False)
-                    if not isinstance(exc, SampleError):
-                        raise exc  # not the sample's fault (a shard that cannot be written...): fail loudly
-                    failures.append(SampleFailure(first.sample_key, first.source_id, exc.reason,
-                                                  type(exc).__name__, exc.retryable, exc.attempt))
-        return tokens, failures, time.monotonic() - started
+        settings = retrieval_settings(params, server.url, server.headers(), layer_ids, hidden_size)
+        return extract_here(params, settings, dump_dir, vdir, run_id, todo)
     finally:
         code = server.stop()
         log.info("server stopped (exit code %s); log %s", code, server.log_path)
+
+
+def extract_here(params: ExtractParameters, settings: RetrievalSettings, dump_dir: Path, vdir: Path, run_id: str,
+                 todo: list) -> tuple[int, list[SampleFailure], float]:
+    """Batches extracted by this machine (dumps in ``dump_dir``), shards written here."""
+    started = time.monotonic()
+    batches = [todo[i:i + params.batch_size] for i in range(0, len(todo), params.batch_size)]
+    limit = InFlightLimit(params.max_in_flight, params.max_dump_bytes_in_flight)
+    runner = ThreadPoolTaskRunner(max_workers=params.concurrent_batches)
+    with tqdm(total=len(todo), unit="sample", desc="extracting") as bar, runner:
+        futures = [runner.submit(extract_batch_step, parameters=dict(
+            index=i, samples=quote(batch), settings=settings, dump_dir=dump_dir,
+            shard_path=vdir / "shards" / f"shard-{run_id}-{i:05d}.safetensors",
+            limit=limit, on_done=bar.update, store_dtype=params.store_dtype))
+            for i, batch in enumerate(batches)]
+        wait(futures)
+        results = [f.result() for f in futures]
+    tokens = sum(r.shard.tokens for r in results if r.shard)
+    retried, failures = retry_stragglers(params, [f for r in results for f in r.failures], todo, retry_sample_step,
+                                         lambda n: (settings, dump_dir,
+                                                    vdir / "shards" / f"shard-{run_id}-retry-{n:05d}.safetensors",
+                                                    params.store_dtype))
+    return tokens + retried, failures, time.monotonic() - started
+
+
+def retry_stragglers(params: ExtractParameters, stragglers: list[SampleFailure], todo: list, step,
+                     step_args: Callable[[int], tuple]) -> tuple[int, list[SampleFailure]]:
+    """Each sample its batch could not extract, in its own ``sample-<id>`` task with Prefect retries:
+    ``step(sample, failure, *step_args(n))`` for straggler n, returning a ShardSummary."""
+    if not stragglers:
+        return 0, []
+    by_key = {s.sample_key: s for s in todo}
+    retry = step.with_options(retries=params.sample_retries, retry_delay_seconds=exponential_backoff(params.backoff_s))
+    pending = [(f, retry.submit(quote(by_key[f.sample_key]), f, *step_args(n))) for n, f in enumerate(stragglers)]
+    wait([p for _, p in pending])
+    tokens, failures = 0, []
+    for first, future in pending:
+        if future.state.is_completed():
+            tokens += future.result().tokens
+        elif not first.retryable:
+            failures.append(first)  # its node failed at once; nothing was sent again
+        else:
+            exc = future.state.result(raise_on_failure=False)
+            if not isinstance(exc, SampleError):
+                raise exc  # not the sample's fault (a shard that cannot be written...): fail loudly
+            failures.append(SampleFailure(first.sample_key, first.source_id, exc.reason,
+                                          type(exc).__name__, exc.retryable, exc.attempt))
+    return tokens, failures
+
+
+def server_config(params: ExtractParameters, model_path: str, dump_dir: Path | str,
+                  layer_ids: tuple[int, ...]) -> ServerConfig:
+    opts = params.server
+    return ServerConfig(model_path=Path(model_path), dump_dir=Path(dump_dir), rid_prefix=RID_PREFIX, port=opts.port,
+                        aux_layer_ids=layer_ids, dtype=params.dtype, device=opts.device_or_default,
+                        chunked_prefill_size=opts.chunked_prefill_size, disable_radix_cache=opts.disable_radix_cache,
+                        skip_server_warmup=opts.skip_server_warmup,
+                        api_key=opts.api_key.get_secret_value() if opts.api_key else None,
+                        extra_args=tuple(opts.extra_args), engine=opts.engine)
+
+
+def retrieval_settings(params: ExtractParameters, url: str, headers: dict, layer_ids: tuple[int, ...],
+                       hidden_size: int) -> RetrievalSettings:
+    return RetrievalSettings(url=url, rid_prefix=RID_PREFIX,
+                             expected=ExpectedDump(tuple(layer_ids), hidden_size, params.dtype),
+                             headers=tuple(headers.items()), attempts=params.attempts, backoff_s=params.backoff_s)
+
+
+def run_node_extraction(params: ExtractParameters, model_path: str, out: Path, vdir: Path, run_id: str,
+                        todo: list, layer_ids: tuple[int, ...], hidden_size: int,
+                        ) -> tuple[int, list[SampleFailure], float]:
+    """A server on an SSH node. ``--shards-on node``: the batches run on the node too and the
+    shards stay there. ``here``: requests go through a tunnel, dumps come over the connection
+    (infra.ssh.DumpMirror) and the batches run here as with a local server.
+
+    The server listens on the node's loopback: node-side batches reach it there, the flow
+    through a tunnel. Its lease is renewed while the flow lives; it is stopped however
+    the run ends (here, or by the cancellation/crash hooks, or by its lease running out).
+    """
+    log = get_run_logger()
+    settings = params.node.ssh_settings()
+    with SshNode(settings) as node:
+        node.prepare()
+        dump_dir = node.dump_dir
+        host = SshHost(node, lease_timeout_s=params.node.lease_timeout_s)
+        config = server_config(params, model_path, dump_dir, layer_ids)
+        config = replace(config, port=config.port or host.free_port())
+        try:
+            facts = node.check(params.server.engine, params.server.device_or_default)
+        except NodeCommandFailed as exc:
+            raise NodeNotReady(f"{node.name} cannot run --engine {params.server.engine}: {exc.stderr.strip()}; "
+                               f"the server would have been started with: "
+                               f"{redact_command(config.argv(settings.python, config.port), host.secret_flags)}"
+                               ) from exc
+        log.info("node %s: python %s, torch %s, GPUs %s, code in %s", node.name, facts["python_version"],
+                 facts.get("torch"), facts.get("cuda_devices"), node.code_dir)
+        node.run(["mkdir", "-p", dump_dir])
+        log_path = vdir / "runs" / f"{run_id}-server.log"
+        record = record_node_server(out, params.node, node.resolve(f"{settings.workdir}/servers/{log_path.stem}"),
+                                    str(current_flow_run.id))
+        try:
+            server = start_server(config, log_path, host=host,
+                                  ready_timeout_s=params.server.ready_timeout_s)
+            try:
+                if params.node.shards_remote:
+                    on_node = retrieval_settings(params, f"http://127.0.0.1:{server.port}", server.headers(),
+                                                 layer_ids, hidden_size)
+                    return extract_on_node(params, node, on_node, dump_dir, node.version_dir(vdir.name), run_id, todo)
+                mirror_dir = out / "dumps" / f"from-{settings.host}-{server.port}"
+                DumpReader(mirror_dir).remove_stale(ttl_s=0)  # an earlier run's leftovers: nobody reads them
+                mirror = DumpMirror(node, dump_dir, mirror_dir, RID_PREFIX)
+                try:
+                    return extract_here(params, retrieval_settings(params, server.url, server.headers(), layer_ids,
+                                                                   hidden_size), mirror_dir, vdir, run_id, todo)
+                finally:
+                    mirror.stop()
+                    log.info("read %d dump files, %.1f MB, over SSH from %s (stream restarted %d times)",
+                             mirror.files, mirror.bytes / 1e6, node.name, mirror.restarts)
+            finally:
+                code = server.stop()
+                log.info("server on %s stopped (exit code %s); log %s", node.name, code, server.log_path)
+        finally:
+            host.close()
+            record.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # other servers of this run may still be noted there
+                record.parent.rmdir()
+
+
+def extract_on_node(params: ExtractParameters, node: SshNode, settings: RetrievalSettings, dump_dir: str,
+                    node_vdir: str, run_id: str, todo: list) -> tuple[int, list[SampleFailure], float]:
+    started = time.monotonic()
+    batches = [todo[i:i + params.batch_size] for i in range(0, len(todo), params.batch_size)]
+    runner = ThreadPoolTaskRunner(max_workers=params.concurrent_batches)
+    with tqdm(total=len(todo), unit="sample", desc=f"extracting on {node.settings.host}") as bar, runner:
+        futures = [runner.submit(node_batch_step, parameters=dict(
+            index=i, samples=quote(batch), settings=settings, node=node, dump_dir=dump_dir,
+            shard_path=f"{node_vdir}/shards/shard-{run_id}-{i:05d}.safetensors", max_in_flight=params.max_in_flight,
+            max_dump_bytes_in_flight=params.max_dump_bytes_in_flight, store_dtype=params.store_dtype))
+            for i, batch in enumerate(batches)]
+        for batch, future in zip(batches, futures):
+            future.wait()
+            bar.update(len(batch))
+        results = [f.result() for f in futures]
+    tokens = sum(r.shard.tokens for r in results if r.shard)
+    retried, failures = retry_stragglers(params, [f for r in results for f in r.failures], todo,
+                                         node_retry_sample_step, lambda n: (
+                                             settings, node, dump_dir,
+                                             f"{node_vdir}/shards/shard-{run_id}-retry-{n:05d}.safetensors"))
+    return tokens + retried, failures, time.monotonic() - started
 
 
 def record_run(vdir: Path, run_id: str, summary: dict, failures: list[SampleFailure]) -> None:
@@ -287,12 +533,31 @@ def parse_args(argv: list[str] | None = None) -> ExtractParameters:
     p.add_argument("--chunked-prefill-size", type=int, default=None)
     p.add_argument("--disable-radix-cache", action="store_true")
     p.add_argument("--skip-server-warmup", action="store_true")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None)
     p.add_argument("--port", type=int, default=0)
-    a = p.parse_args(argv)
+    n = NodeOptions()
+    p.add_argument("--engine", choices=["transformers", "sglang"], default=ServerOptions().engine)
+    p.add_argument("--node", default=n.node, help="local, or ssh://USER@HOST[:PORT]")
+    p.add_argument("--node-block", default=None, help="name of a saved eagle3-ssh-node block")
+    p.add_argument("--ssh-key", default=None)
+    p.add_argument("--known-hosts", default=n.known_hosts)
+    p.add_argument("--node-python", default=n.python)
+    p.add_argument("--node-workdir", default=n.workdir)
+    p.add_argument("--node-dump-dir", default=None)
+    p.add_argument("--shards-on", choices=["here", "node"], default=None,
+                   help="with an SSH node: node (default) or here")
+    p.add_argument("--fetch", action="store_true", help="bring a node's shards home and make the exports here")
+    p.add_argument("--lease-timeout-s", type=float, default=n.lease_timeout_s)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    a = p.parse_args(argv[:len(argv) - len(extra) - (1 if "--" in argv else 0)])
     server = ServerOptions(chunked_prefill_size=a.chunked_prefill_size, disable_radix_cache=a.disable_radix_cache,
-                           skip_server_warmup=a.skip_server_warmup, device=a.device, port=a.port)
-    return ExtractParameters(prompts=a.prompts, model_path=a.model_path, out=a.out, server=server,
+                           skip_server_warmup=a.skip_server_warmup, device=a.device, port=a.port, engine=a.engine,
+                           extra_args=extra)
+    node = NodeOptions(node=a.node, block=a.node_block, ssh_key=a.ssh_key, known_hosts=a.known_hosts,
+                       python=a.node_python, workdir=a.node_workdir, dump_dir=a.node_dump_dir, shards_on=a.shards_on,
+                       fetch=a.fetch, lease_timeout_s=a.lease_timeout_s)
+    return ExtractParameters(prompts=a.prompts, model_path=a.model_path, out=a.out, server=server, node=node,
                              batch_size=a.batch_size, max_in_flight=a.max_in_flight,
                              max_dump_bytes_in_flight=a.max_dump_bytes_in_flight,
                              concurrent_batches=a.concurrent_batches, attempts=a.attempts,

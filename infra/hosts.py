@@ -1,9 +1,9 @@
-"""Where a model server runs. ``LocalHost`` today; an SSH host implements the same verbs.
+"""Where a model server runs: ``LocalHost`` (this machine) or ``infra.ssh.SshHost`` (a node over SSH).
 
-A host starts a long-running command with its output going to a log file on that host,
-tells whether it is still alive, stops it (SIGTERM, then SIGKILL after a grace period),
-reads the tail of its log, and gives a :class:`patches.dumps.DumpReader` for a dump
-folder on it plus the URL under which its loopback port is reached from here.
+A host names a free loopback port, starts a long-running command with its output going to a
+log file, tells whether it is still alive, stops it (SIGTERM to its process group, then
+SIGKILL after a grace period), reads the tail of its log, and gives the URL under which its
+loopback port is reached from here.
 """
 
 from __future__ import annotations
@@ -11,12 +11,13 @@ from __future__ import annotations
 import os
 import shlex
 import signal
+import socket
 import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, Sequence
 
-from patches.dumps import DumpReader
 
 
 class HostError(RuntimeError):
@@ -31,9 +32,11 @@ class ServerProcess(Protocol):
 
 class Host(Protocol):
     name: str
+    python: str  # the interpreter that runs servers there
 
-    def start(self, argv: Sequence[str], log_path: Path, env: dict[str, str] | None = None) -> ServerProcess: ...
-    def dump_reader(self, dump_dir: Path) -> DumpReader: ...
+    def free_port(self) -> int: ...
+    def start(self, argv: Sequence[str], log_path: Path, port: int,
+              env: dict[str, str] | None = None) -> ServerProcess: ...
     def url_for_port(self, port: int) -> str: ...
 
 
@@ -79,11 +82,18 @@ class LocalHost:
     """This machine. The server's loopback port is reached directly."""
 
     name: str = "localhost"
+    python: str = sys.executable
     secret_flags: tuple[str, ...] = field(default=("--api-key",))
 
-    def start(self, argv: Sequence[str], log_path: Path, env: dict[str, str] | None = None) -> LocalProcess:
+    def free_port(self) -> int:
+        return free_port()
+
+    def start(self, argv: Sequence[str], log_path: Path, port: int,
+              env: dict[str, str] | None = None) -> LocalProcess:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         command = redact_command(argv, self.secret_flags)
+        if not port_free(port):
+            raise HostError(f"{self.name}: port {port} on 127.0.0.1 is already in use; cannot start `{command}`")
         with open(log_path, "ab") as log:
             try:
                 # A new session: stop() signals the server and any children it spawned.
@@ -93,11 +103,24 @@ class LocalHost:
                 raise HostError(f"{self.name}: cannot start `{command}`: {exc}") from exc
         return LocalProcess(popen, log_path, command)
 
-    def dump_reader(self, dump_dir: Path) -> DumpReader:
-        return DumpReader(dump_dir)
-
     def url_for_port(self, port: int) -> str:
         return f"http://127.0.0.1:{port}"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind: TIME_WAIT is no owner
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def redact_command(argv: Sequence[str], secret_flags: Sequence[str]) -> str:

@@ -1,4 +1,4 @@
-"""An SGLang-compatible HTTP server that runs a Hugging Face model and writes hidden-state dumps.
+"""The transformers engine: an SGLang-compatible HTTP server that runs a Hugging Face model and writes dumps.
 
     python -m infra.local_server --model-path DIR --port N --dump-dir DIR [options]
 
@@ -169,7 +169,7 @@ def parse_generate_request(body: bytes, tokenizer, vocab_size: int, context_leng
     if not isinstance(obj, dict):
         raise BadRequest(f"the body must be a JSON object, not {type(obj).__name__}")
     if obj.get("stream"):
-        raise BadRequest("streaming is not supported by the local server")
+        raise BadRequest("streaming is not supported by the transformers engine")
     text, input_ids = obj.get("text"), obj.get("input_ids")
     if text is None and input_ids is None:
         raise BadRequest("Either text or input_ids should be provided.")

@@ -1,22 +1,26 @@
 """Server lifecycle: start a dump-writing model server on a host, wait until healthy, stop it.
 
-``ServerConfig`` is the one description of a server run: the local server takes it as
-``python -m infra.local_server`` flags; the SGLang launcher (``patches.launch``) takes the
-same flags under SGLang's names. Stopping is idempotent, so a flow can call it from
-``finally`` and from its crash/cancellation hooks alike.
+``ServerConfig`` is the one description of a server run, for either engine: the
+transformers engine (``python -m infra.local_server``, the project's own server) or real
+SGLang through the launcher (``python -m patches.launch ... -- <sglang flags>``); both take
+the same flags under SGLang's names. Paths are paths on the host that runs the server.
+Stopping is idempotent, so a flow can call it from ``finally`` and from its
+crash/cancellation hooks alike.
 """
 
 from __future__ import annotations
 
-import socket
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import requests
 
-from infra.hosts import Host, LocalHost, ServerProcess
+from infra.hosts import Host, LocalHost, ServerProcess, free_port
+
+__all__ = ["ServerConfig", "RunningServer", "ServerStartError", "start_server", "wait_healthy", "free_port"]
+Engine = Literal["transformers", "sglang"]
 
 
 class ServerStartError(RuntimeError):
@@ -25,7 +29,7 @@ class ServerStartError(RuntimeError):
 
 @dataclass(frozen=True)
 class ServerConfig:
-    model_path: Path
+    model_path: Path  # on the server's host
     dump_dir: Path
     rid_prefix: str
     port: int = 0  # 0: pick a free port on the host
@@ -38,24 +42,29 @@ class ServerConfig:
     dump_max_bytes: int | None = None
     api_key: str | None = field(default=None, repr=False)
     extra_args: tuple[str, ...] = ()
+    engine: Engine = "transformers"
 
-    def local_server_argv(self, port: int) -> list[str]:
-        argv = [sys.executable, "-m", "infra.local_server", "--model-path", str(self.model_path),
-                "--host", "127.0.0.1", "--port", str(port), "--dump-dir", str(self.dump_dir),
-                "--dump-rid-prefix", self.rid_prefix, "--dtype", self.dtype, "--device", self.device]
+    def argv(self, python: str, port: int) -> list[str]:
+        """The command that starts this server with ``python`` on ``port`` (loopback only)."""
+        dump = ["--dump-dir", str(self.dump_dir), "--dump-rid-prefix", self.rid_prefix]
         if self.aux_layer_ids is not None:
-            argv += ["--dump-aux-layers", *map(str, self.aux_layer_ids)]
-        if self.chunked_prefill_size is not None:
-            argv += ["--chunked-prefill-size", str(self.chunked_prefill_size)]
-        if self.disable_radix_cache:
-            argv.append("--disable-radix-cache")
-        if self.skip_server_warmup:
-            argv.append("--skip-server-warmup")
+            dump += ["--dump-aux-layers", *map(str, self.aux_layer_ids)]
         if self.dump_max_bytes is not None:
-            argv += ["--dump-max-bytes", str(self.dump_max_bytes)]
+            dump += ["--dump-max-bytes", str(self.dump_max_bytes)]
+        server = ["--model-path", str(self.model_path), "--host", "127.0.0.1", "--port", str(port),
+                  "--dtype", self.dtype, "--device", self.device]
+        if self.chunked_prefill_size is not None:
+            server += ["--chunked-prefill-size", str(self.chunked_prefill_size)]
+        if self.disable_radix_cache:
+            server.append("--disable-radix-cache")
+        if self.skip_server_warmup:
+            server.append("--skip-server-warmup")
         if self.api_key:
-            argv += ["--api-key", self.api_key]
-        return argv + list(self.extra_args)
+            server += ["--api-key", self.api_key]
+        server += list(self.extra_args)
+        if self.engine == "sglang":
+            return [python, "-m", "patches.launch", *dump, "--", *server]
+        return [python, "-m", "infra.local_server", *dump, *server]
 
 
 @dataclass
@@ -63,7 +72,8 @@ class RunningServer:
     host: Host
     config: ServerConfig
     process: ServerProcess
-    url: str
+    url: str  # as reached from here (through a tunnel for a node)
+    port: int  # on the host's loopback
     log_path: Path
 
     def headers(self) -> dict[str, str]:
@@ -73,19 +83,13 @@ class RunningServer:
         return self.process.stop(grace_s)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(config: ServerConfig, log_path: Path, host: Host | None = None,
                  ready_timeout_s: float = 300.0) -> RunningServer:
-    """Start the local server on ``host`` and return once ``/health`` answers 200."""
+    """Start the server on ``host`` (default: this machine) and return once ``/health`` answers 200."""
     host = host or LocalHost()
-    port = config.port or free_port()
-    process = host.start(config.local_server_argv(port), log_path)
-    server = RunningServer(host, config, process, host.url_for_port(port), log_path)
+    port = config.port or host.free_port()
+    process = host.start(config.argv(host.python, port), log_path, port)
+    server = RunningServer(host, config, process, host.url_for_port(port), port, log_path)
     try:
         wait_healthy(server, ready_timeout_s)
     except BaseException:

@@ -44,20 +44,28 @@ class ConsolidationSummary:
 
 
 def consolidate(version_dir: Path, info: DatasetInfo, keep_keys: set[str] | None = None,
-                exports: Sequence[str] = (), draft_vocab_size: int | None = None) -> ConsolidationSummary:
+                exports: Sequence[str] = (), draft_vocab_size: int | None = None,
+                index_rows: list[dict] | None = None) -> ConsolidationSummary:
     """Build the manifest, the vocabulary mapping and dataset.json from the version's shards, then the exports.
 
     ``keep_keys``: the samples of the dataset (None: every sample in the shards); samples in
     shards but not in it are left out of the manifest and the exports, their shards untouched.
     ``draft_vocab_size``: None for the default (tasks.vocab_mapping). Each export is checked
-    against ``info`` before anything is written.
+    against ``info`` before anything is written. ``index_rows``: the shards' index rows
+    (``read_shard_index``) when the shards are elsewhere (on a GPU node, ``--shards-on node``);
+    the manifest is built from them, and neither the vocabulary mapping nor an export can be
+    made until the shards are fetched.
     """
     version_dir = Path(version_dir)
     check_exports(exports, info)
-    rows = []
-    for shard in list_shards(version_dir):
-        _check_layout(shard, info)
-        rows.extend(read_shard_index(shard))
+    if index_rows is not None and exports:
+        raise TrainingSetError(f"{version_dir}: exports {list(exports)} need the shards here; fetch them first")
+    rows = index_rows
+    if rows is None:
+        rows = []
+        for shard in list_shards(version_dir):
+            _check_layout(shard, info)
+            rows.extend(read_shard_index(shard))
     found = pl.DataFrame(rows, schema=MANIFEST_SCHEMA)
     unique = found.unique(subset="sample_key", keep="first", maintain_order=True)  # shards are in name order
     if keep_keys is None:
@@ -73,7 +81,7 @@ def consolidate(version_dir: Path, info: DatasetInfo, keep_keys: set[str] | None
     supervised = int(manifest["num_supervised"].sum())
 
     atomic_write(version_dir / MANIFEST_NAME, manifest.write_parquet)
-    vocab = write_vocab_mapping(version_dir, manifest, info, draft_vocab_size)
+    vocab = None if index_rows is not None else write_vocab_mapping(version_dir, manifest, info, draft_vocab_size)
     summary = ConsolidationSummary(
         version_dir=str(version_dir), samples=manifest.height, tokens=tokens, supervised_tokens=supervised,
         bytes=sample_bytes(tokens, info), shards=manifest["shard"].n_unique(),
@@ -81,7 +89,7 @@ def consolidate(version_dir: Path, info: DatasetInfo, keep_keys: set[str] | None
     write_dataset_json(version_dir, {
         **asdict(info), "samples": summary.samples, "tokens": tokens, "supervised_tokens": supervised,
         "bytes": summary.bytes, "shards": sorted(set(manifest["shard"].to_list())),
-        "vocab_mapping": asdict(vocab), "exports": []})
+        "vocab_mapping": None if vocab is None else asdict(vocab), "exports": []})
     done = {name: run_export(name, version_dir) for name in exports}
     return ConsolidationSummary(**{**asdict(summary), "vocab_mapping": vocab, "exports": done})
 

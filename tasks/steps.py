@@ -5,7 +5,8 @@ No tensors cross a task boundary: batches return shard paths and small summaries
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -18,8 +19,9 @@ from patches.dumps import DumpReader
 from tasks.consolidation import ConsolidationSummary, consolidate
 from tasks.chat_template import TemplateVariables
 from tasks.prompts import PreparedPrompts, prepare_prompts
-from tasks.retrieval import (ConfigMismatch, InFlightLimit, PermanentFailure, RetrievalSettings, SampleError, SampleFailure,
-                             extract_one, extract_samples)
+from tasks.node_batch import failures_from_json, job_json
+from tasks.retrieval import (ConfigMismatch, InFlightLimit, PermanentFailure, RetrievalSettings, SampleError,
+                             SampleFailure, extract_one, extract_samples)
 from tasks.samples import PreparedSample
 from tasks.shards import ShardSummary, write_shard
 from tasks.training_set import DatasetInfo
@@ -78,5 +80,44 @@ def retry_sample_step(sample: PreparedSample, failure: SampleFailure, settings: 
 
 @task(name="consolidate", cache_policy=NO_CACHE)
 def consolidate_step(version_dir: Path, info: DatasetInfo, keep_keys: set[str], exports: list[str],
-                     draft_vocab_size: int | None) -> ConsolidationSummary:
-    return consolidate(version_dir, info, keep_keys=keep_keys, exports=exports, draft_vocab_size=draft_vocab_size)
+                     draft_vocab_size: int | None, index_rows: list[dict] | None = None) -> ConsolidationSummary:
+    return consolidate(version_dir, info, keep_keys=keep_keys, exports=exports, draft_vocab_size=draft_vocab_size,
+                       index_rows=index_rows)
+# --------------------------------------------------------------------------- batches extracted on an SSH node
+
+
+@task(name="extract-batch-on-node", task_run_name="batch-{index:04d}", cache_policy=NO_CACHE)
+def node_batch_step(index: int, samples: list[PreparedSample], settings: RetrievalSettings, node, dump_dir: str,
+                    shard_path: str, max_in_flight: int, max_dump_bytes_in_flight: int,
+                    store_dtype: str | None = None) -> BatchResult:
+    """Run ``tasks.node_batch extract`` on the node: the shard stays there, its summary comes back.
+
+    Safe to run again after a dropped connection (the node side keeps each batch's result).
+    """
+    job = job_json(settings, dump_dir, shard_path, max_in_flight, samples, max_dump_bytes_in_flight, store_dtype)
+    result = node.python_module("tasks.node_batch", ["extract"], stdin=json.dumps(job).encode())
+    failed = failures_from_json(result)
+    mismatch = next((f for f in failed if f.error == ConfigMismatch.__name__), None)
+    if mismatch is not None:
+        raise ConfigMismatch(mismatch.sample_key, mismatch.source_id, mismatch.reason)
+    shard = ShardSummary(**result["shard"]) if result["shard"] else None
+    return BatchResult(index, shard, failed)
+
+
+@task(name="retry-sample-on-node", task_run_name="sample-{sample.source_id}", cache_policy=NO_CACHE,
+      retry_jitter_factor=0.5, retry_condition_fn=_retry_if_retryable)
+def node_retry_sample_step(sample: PreparedSample, failure: SampleFailure, settings: RetrievalSettings, node,
+                           dump_dir: str, shard_path: str) -> ShardSummary:
+    """``retry_sample_step`` for a node: one attempt per Prefect try, its shard (per try) on the node."""
+    if not failure.retryable:
+        raise PermanentFailure(failure.sample_key, failure.source_id, f"{failure.error}: {failure.reason}")
+    attempt = failure.attempts + current_task_run.run_count
+    path = shard_path.removesuffix(".safetensors") + f"-try{current_task_run.run_count}.safetensors"
+    job = job_json(replace(settings, attempts=1), dump_dir, path, 1, [sample])
+    result = node.python_module("tasks.node_batch", ["extract"], stdin=json.dumps(job).encode())
+    if result["failures"]:
+        (f,) = failures_from_json(result)
+        exc = {c.__name__: c for c in SampleError.__subclasses__()}[f.error](f.sample_key, f.source_id, f.reason)
+        exc.attempt = attempt
+        raise exc
+    return ShardSummary(**result["shard"])

@@ -126,3 +126,18 @@ def start_local_server(tmp_path_factory):
     yield start
     for server in started:
         server.stop()
+
+
+# --------------------------------------------------------------------------- an SSH node
+
+
+@pytest.fixture(scope="session")
+def sshd(tmp_path_factory):
+    """A real OpenSSH server on 127.0.0.1 (Debian's openssh-server; .ci/run installs it)."""
+    from tests.sshd import SSHD, start_sshd
+
+    if not Path(SSHD).exists():
+        pytest.fail(f"{SSHD} is missing: apt-get install -y openssh-server (.ci/run does)")
+    server = start_sshd(tmp_path_factory.mktemp("sshd"))
+    yield server
+    server.stop()
