@@ -34,7 +34,7 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from infra.node_block import SshNodeBlock
-from infra.server import ServerConfig, start_server
+from infra.server import RunningServer, ServerConfig, start_server
 from infra.hosts import redact_command
 from infra.ssh import DumpMirror, NodeCommandFailed, SshError, SshHost, SshNode, SshSettings, parse_node_url
 from infra.tiny_model import build_tiny_model
@@ -343,7 +343,7 @@ def run_extraction(params: ExtractParameters, model_path: str, out: Path, vdir: 
     server = start_server(server_config(params, model_path, dump_dir, layer_ids), vdir / "runs" / f"{run_id}-server.log",
                           ready_timeout_s=params.server.ready_timeout_s)
     try:
-        settings = retrieval_settings(params, server.url, server.headers(), layer_ids, hidden_size)
+        settings = retrieval_settings(params, server, server.url, layer_ids, hidden_size)
         return extract_here(params, settings, dump_dir, vdir, run_id, todo)
     finally:
         code = server.stop()
@@ -409,11 +409,15 @@ def server_config(params: ExtractParameters, model_path: str, dump_dir: Path | s
                         extra_args=tuple(opts.extra_args), engine=opts.engine)
 
 
-def retrieval_settings(params: ExtractParameters, url: str, headers: dict, layer_ids: tuple[int, ...],
+def retrieval_settings(params: ExtractParameters, server: RunningServer, url: str, layer_ids: tuple[int, ...],
                        hidden_size: int) -> RetrievalSettings:
-    return RetrievalSettings(url=url, rid_prefix=RID_PREFIX,
-                             expected=ExpectedDump(tuple(layer_ids), hidden_size, params.dtype),
-                             headers=tuple(headers.items()), attempts=params.attempts, backoff_s=params.backoff_s)
+    """Requests to ``url`` (the server as reached from where the batches run); dumps accepted only
+    from this server launch and model."""
+    expected = ExpectedDump(tuple(layer_ids), hidden_size, params.dtype, model=str(server.config.model_path),
+                            instance=server.config.instance)
+    return RetrievalSettings(url=url, rid_prefix=RID_PREFIX, expected=expected,
+                             headers=tuple(server.headers().items()), attempts=params.attempts,
+                             backoff_s=params.backoff_s)
 
 
 def run_node_extraction(params: ExtractParameters, model_path: str, out: Path, vdir: Path, run_id: str,
@@ -453,14 +457,14 @@ def run_node_extraction(params: ExtractParameters, model_path: str, out: Path, v
                                   ready_timeout_s=params.server.ready_timeout_s)
             try:
                 if params.node.shards_remote:
-                    on_node = retrieval_settings(params, f"http://127.0.0.1:{server.port}", server.headers(),
+                    on_node = retrieval_settings(params, server, f"http://127.0.0.1:{server.port}",
                                                  layer_ids, hidden_size)
                     return extract_on_node(params, node, on_node, dump_dir, node.version_dir(vdir.name), run_id, todo)
                 mirror_dir = out / "dumps" / f"from-{settings.host}-{server.port}"
                 DumpReader(mirror_dir).remove_stale(ttl_s=0)  # an earlier run's leftovers: nobody reads them
                 mirror = DumpMirror(node, dump_dir, mirror_dir, RID_PREFIX)
                 try:
-                    return extract_here(params, retrieval_settings(params, server.url, server.headers(), layer_ids,
+                    return extract_here(params, retrieval_settings(params, server, server.url, layer_ids,
                                                                    hidden_size), mirror_dir, vdir, run_id, todo)
                 finally:
                     mirror.stop()

@@ -11,6 +11,7 @@ crash/cancellation hooks alike.
 from __future__ import annotations
 
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -19,12 +20,27 @@ import requests
 
 from infra.hosts import Host, LocalHost, ServerProcess, free_port
 
-__all__ = ["ServerConfig", "RunningServer", "ServerStartError", "start_server", "wait_healthy", "free_port"]
+__all__ = ["ServerConfig", "RunningServer", "ServerStartError", "ForeignServer", "start_server", "wait_healthy", "free_port"]
 Engine = Literal["transformers", "sglang"]
 
 
 class ServerStartError(RuntimeError):
     """The server exited or did not become healthy in time."""
+
+
+class ForeignServer(ServerStartError):
+    """Something else answers where the server was started: another server on the port."""
+
+
+def reported_instance(server_info: dict) -> str | None:
+    """The dump instance a server reports in ``/server_info``: the transformers engine says it
+    directly; SGLang shows the hook's config among its ``forward_hooks``."""
+    if "dump_instance" in server_info:
+        return server_info["dump_instance"]
+    for hook in server_info.get("forward_hooks") or []:
+        if isinstance(hook, dict) and hook.get("name") == "eagle3-dump":
+            return hook.get("config", {}).get("dump", {}).get("instance")
+    return None
 
 
 @dataclass(frozen=True)
@@ -43,10 +59,12 @@ class ServerConfig:
     api_key: str | None = field(default=None, repr=False)
     extra_args: tuple[str, ...] = ()
     engine: Engine = "transformers"
+    #: this launch's nonce: the server writes it into every dump piece and reports it in /server_info
+    instance: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     def argv(self, python: str, port: int) -> list[str]:
         """The command that starts this server with ``python`` on ``port`` (loopback only)."""
-        dump = ["--dump-dir", str(self.dump_dir), "--dump-rid-prefix", self.rid_prefix]
+        dump = ["--dump-dir", str(self.dump_dir), "--dump-rid-prefix", self.rid_prefix, "--dump-instance", self.instance]
         if self.aux_layer_ids is not None:
             dump += ["--dump-aux-layers", *map(str, self.aux_layer_ids)]
         if self.dump_max_bytes is not None:
@@ -108,6 +126,7 @@ def wait_healthy(server: RunningServer, timeout_s: float) -> None:
         try:
             r = requests.get(f"{server.url}/health", timeout=5)
             if r.status_code == 200:
+                check_identity(server)
                 return
             last = f"HTTP {r.status_code}"
         except requests.RequestException as exc:
@@ -115,3 +134,15 @@ def wait_healthy(server: RunningServer, timeout_s: float) -> None:
         time.sleep(0.25)
     raise ServerStartError(f"server on {server.host.name} at {server.url} not healthy after {timeout_s:.0f}s "
                            f"(last: {last}); log {server.log_path}:\n{server.process.log_tail()}")
+
+
+def check_identity(server: RunningServer) -> None:
+    """The server that answers is the one just started: ``/health`` only proves that something answers."""
+    r = requests.get(f"{server.url}/server_info", headers=server.headers(), timeout=10)
+    info = r.json() if r.status_code == 200 else {}
+    got = reported_instance(info)
+    if got != server.config.instance:
+        raise ForeignServer(f"another server answers at {server.url} (port {server.port} on {server.host.name}): it "
+                            f"reports dump instance {got!r}, the one started here is {server.config.instance!r} "
+                            f"(HTTP {r.status_code} from /server_info). Is port {server.port} in use? Our server's "
+                            f"log {server.log_path}:\n{server.process.log_tail()}")

@@ -48,10 +48,8 @@ def result_path(shard_path: Path) -> Path:
 
 def extract_job(job: dict) -> dict:
     s = job["settings"]
-    settings = RetrievalSettings(**{**s, "expected": ExpectedDump(tuple(s["expected"]["layer_ids"]),
-                                                                  s["expected"]["hidden_size"],
-                                                                  s["expected"]["dtype"]),
-                                    "headers": tuple(tuple(h) for h in s["headers"])})
+    expected = ExpectedDump(**{**s["expected"], "layer_ids": tuple(s["expected"]["layer_ids"])})
+    settings = RetrievalSettings(**{**s, "expected": expected, "headers": tuple(tuple(h) for h in s["headers"])})
     samples = [PreparedSample(**d) for d in job["samples"]]
     shard_path = Path(job["shard_path"])
     done = result_path(shard_path)
@@ -62,7 +60,7 @@ def extract_job(job: dict) -> dict:
         if done.exists():
             return {**json.loads(done.read_text()), "reused": True}
         limit = InFlightLimit(job["max_in_flight"], job["max_dump_bytes_in_flight"])
-        written, failed = extract_samples(settings, DumpReader(job["dump_dir"]), samples, limit)
+        written, failed = extract_samples(settings, DumpReader(job["dump_dir"], settings.expected.instance), samples, limit)
         shard = write_shard(shard_path, written, job["store_dtype"]) if written else None
         result = {"shard": asdict(shard) if shard else None, "failures": [asdict(f) for f in failed]}
         tmp = done.with_name(f".{done.name}.tmp")

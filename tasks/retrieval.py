@@ -75,6 +75,10 @@ class ExpectedDump:
     layer_ids: tuple[int, ...]
     hidden_size: int
     dtype: str
+    #: the model path the server was started with (None: not checked)
+    model: str | None = None
+    #: the launch nonce of the server this run started: any other server's pieces are foreign
+    instance: str | None = None
 
     @property
     def bytes_per_token(self) -> int:
@@ -181,11 +185,11 @@ def fetch_dump(settings: RetrievalSettings, reader: DumpReader, sample: Prepared
     except DumpError as exc:
         raise DumpUnusable(sample.sample_key, sample.source_id, f"{type(exc).__name__}: {exc}") from exc
     exp = settings.expected
-    got = (tuple(dump.layer_ids), dump.final_hidden_states.shape[1], dump.dtype)
-    if got != (exp.layer_ids, exp.hidden_size, exp.dtype):
+    got = (tuple(dump.layer_ids), dump.final_hidden_states.shape[1], dump.dtype, dump.model)
+    want = (exp.layer_ids, exp.hidden_size, exp.dtype, dump.model if exp.model is None else exp.model)
+    if got != want:
         raise ConfigMismatch(sample.sample_key, sample.source_id,
-                             f"dump of rid {rid} has layers/hidden/dtype {got}, this run expects "
-                             f"{(exp.layer_ids, exp.hidden_size, exp.dtype)}")
+                             f"dump of rid {rid} has layers/hidden/dtype/model {got}, this run expects {want}")
     return TrainingSample(sample_key=sample.sample_key, source_id=sample.source_id,
                           input_ids=dump.input_ids, loss_mask=torch.tensor(sample.loss_mask, dtype=torch.int64),
                           aux_hidden_states=dump.aux_hidden_states, final_hidden_states=dump.final_hidden_states)

@@ -48,7 +48,8 @@ def extract_batch_step(index: int, samples: list[PreparedSample], settings: Retr
                        shard_path: Path, limit: InFlightLimit,
                        on_done: Callable[[], None] | None = None, store_dtype: str | None = None) -> BatchResult:
     """Extract one batch and write its shard. A configuration mismatch fails the batch (and the run)."""
-    written, failed = extract_samples(settings, DumpReader(dump_dir), samples, limit, on_done, priority=index)
+    written, failed = extract_samples(settings, DumpReader(dump_dir, settings.expected.instance), samples, limit, on_done,
+                                      priority=index)
     mismatch = next((f for f in failed if f.error == ConfigMismatch.__name__), None)
     if mismatch is not None:
         raise ConfigMismatch(mismatch.sample_key, mismatch.source_id, mismatch.reason)
@@ -74,7 +75,7 @@ def retry_sample_step(sample: PreparedSample, failure: SampleFailure, settings: 
         raise PermanentFailure(failure.sample_key, failure.source_id, f"{failure.error}: {failure.reason}")
     attempt = failure.attempts + current_task_run.run_count
     with requests.Session() as session:
-        extracted = extract_one(settings, DumpReader(dump_dir), sample, attempt, session)
+        extracted = extract_one(settings, DumpReader(dump_dir, settings.expected.instance), sample, attempt, session)
     return write_shard(shard_path, [extracted], store_dtype)
 
 

@@ -331,3 +331,32 @@ def test_prefix_cache_reuses_the_longest_prefix_within_a_namespace(model):
     assert n == 19 and hit.get_seq_length() == 19 and kv.get_seq_length() == 20
     assert cache.match("", ids[:8] + [1000], limit=8)[0] == 8
     assert cache.match("other-key", ids, limit=19) == (0, None)
+
+
+def test_a_server_already_on_the_port_is_refused_not_used(start_local_server, tiny_model_dir, tmp_path):
+    """Another server (same API, its own dump folder and launch) holds the port: nothing is started
+    or sent there. If the port is taken between that check and the bind, the identity check after
+    /health sees the other launch's nonce and refuses it."""
+    import dataclasses
+    from urllib.parse import urlsplit
+
+    from infra.hosts import HostError
+    from infra.server import ForeignServer, ServerConfig, check_identity, start_server
+
+    other = start_local_server(tiny_model_dir, "--skip-server-warmup")
+    try:
+        port = urlsplit(other.url).port
+        config = ServerConfig(model_path=tiny_model_dir, dump_dir=tmp_path / "dumps", rid_prefix="eagle3-", port=port)
+        with pytest.raises(HostError, match=f"port {port} on 127.0.0.1 is already in use"):
+            start_server(config, tmp_path / "server.log", ready_timeout_s=60)
+
+        ours = start_server(dataclasses.replace(config, port=0), tmp_path / "ours.log", ready_timeout_s=120)
+        try:
+            check_identity(ours)  # our own launch passes
+            with pytest.raises(ForeignServer, match=f"reports dump instance '{server_instance(other)}'"):
+                check_identity(dataclasses.replace(ours, url=other.url, port=port))
+        finally:
+            assert ours.stop() == 0
+        assert requests.get(other.url + "/server_info", timeout=10).json()["dump_writer"]["written"] == 0
+    finally:
+        other.stop()
