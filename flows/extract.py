@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import json
 import sys
+import threading
 import time
 import uuid
 from dataclasses import replace
@@ -136,6 +137,13 @@ class ExtractParameters(BaseModel):
     sample_retries: int = Field(2, title="Prefect retries of a sample its batch could not extract", ge=0, le=20)
     backoff_s: float = Field(0.5, title="Seconds before the first retry", ge=0, le=600,
                              description="Doubles with each retry, inside a batch and in a sample's own task.")
+    server_restarts: int = Field(2, title="Server restarts", ge=0, le=20,
+                                 description="A server that dies mid-run is restarted this often (with its log "
+                                             "tail in the run log); the samples it had not finished go on.")
+    max_failed_fraction: float = Field(
+        0.01, title="Failed samples allowed (fraction)", ge=0, le=1,
+        description="Past it the run fails (a Failed flow run, exit code 1) instead of retrying each sample in "
+                    "its own task; failed samples are recorded either way.")
     max_length: int = Field(2048, title="Max tokens per sample", ge=2)
     on_overlong: Literal["truncate", "skip"] = Field("truncate", title="Overlong samples")
     aux_layers: list[int] | None = Field(None, title="Aux layers (HF hidden_states indices)",
@@ -167,6 +175,47 @@ class ExtractParameters(BaseModel):
 TOKENIZER_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                    "special_tokens_map.json", "chat_template.jinja", "chat_template.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json")
+
+
+class ServerDied(RuntimeError):
+    """The run's server exited while batches were running."""
+
+    def __init__(self, reason: str, tokens: int):
+        self.tokens = tokens  # written before it died
+        super().__init__(reason)
+
+
+class RunFailed(RuntimeError):
+    """The run could not produce what it was asked for (failure budget, a server that keeps dying)."""
+
+
+class ServerWatch:
+    """Polls the server process while batches run; when it exits, stops ``limit`` so that no
+    sample waits through its retries for a server that is gone."""
+
+    def __init__(self, server: RunningServer, limit: InFlightLimit, interval_s: float = 1.0):
+        self.server, self.limit, self.interval_s = server, limit, interval_s
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="server-watch", daemon=True)
+
+    def __enter__(self) -> "ServerWatch":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._done.wait(self.interval_s):
+            if not self.server.process.alive():
+                self.limit.stop(f"the server on {self.server.host.name} port {self.server.port} exited "
+                                f"(log {self.server.log_path})")
+                return
+
+
+def failure_budget(params: ExtractParameters, samples: int) -> int:
+    return int(params.max_failed_fraction * samples)
 
 
 class NodeNotReady(SshError):
@@ -325,6 +374,10 @@ def extract(params: ExtractParameters = ExtractParameters()) -> dict:
                               table=[{"source_id": f.source_id, "sample_key": f.sample_key, "error": f.error,
                                       "reason": f.reason, "attempts": f.attempts} for f in failures])
     log.info("summary: %s", json.dumps(summary))
+    if len(failures) > failure_budget(params, len(todo)):
+        raise RunFailed(f"{len(failures)} of {len(todo)} samples failed, over the failure budget of "
+                        f"{failure_budget(params, len(todo))} (--max-failed-fraction {params.max_failed_fraction}); "
+                        f"the written samples are in {vdir}, the failed ones in {vdir / 'runs' / (run_id + '.json')}")
     return summary
 
 
@@ -340,24 +393,44 @@ def run_extraction(params: ExtractParameters, model_path: str, out: Path, vdir: 
     stale = DumpReader(dump_dir).remove_stale(ttl_s=3600)
     if stale:
         log.info("removed %d stale dump files from %s", stale, dump_dir)
-    server = start_server(server_config(params, model_path, dump_dir, layer_ids), vdir / "runs" / f"{run_id}-server.log",
-                          ready_timeout_s=params.server.ready_timeout_s)
-    try:
-        settings = retrieval_settings(params, server, server.url, layer_ids, hidden_size)
-        return extract_here(params, settings, dump_dir, vdir, run_id, todo)
-    finally:
-        code = server.stop()
-        log.info("server stopped (exit code %s); log %s", code, server.log_path)
+    started, tokens = time.monotonic(), 0
+    for start in range(params.server_restarts + 1):
+        log_path = vdir / "runs" / f"{run_id}-server{'' if start == 0 else f'-restart{start}'}.log"
+        server = start_server(server_config(params, model_path, dump_dir, layer_ids), log_path,
+                              ready_timeout_s=params.server.ready_timeout_s)
+        try:
+            settings = retrieval_settings(params, server, server.url, layer_ids, hidden_size)
+            new_tokens, failures, _ = extract_here(params, settings, server, dump_dir, vdir, f"{run_id}-{start}", todo)
+            return tokens + new_tokens, failures, time.monotonic() - started
+        except ServerDied as died:
+            tokens += died.tokens
+            log.error("%s; its log ends:\n%s", died, server.process.log_tail())
+            if start == params.server_restarts:
+                raise RunFailed(f"the server died {start + 1} times (--server-restarts {params.server_restarts}); "
+                                f"last: {died}") from died
+            done = {row["sample_key"] for row in shard_index(params, vdir, vdir.name)}
+            todo = [s for s in todo if s.sample_key not in done]
+            log.warning("restarting the server (%d of %d); %d samples to go", start + 1, params.server_restarts,
+                        len(todo))
+        finally:
+            code = server.stop()
+            log.info("server stopped (exit code %s); log %s", code, server.log_path)
+    raise AssertionError("unreachable: the loop returns or raises")
 
 
-def extract_here(params: ExtractParameters, settings: RetrievalSettings, dump_dir: Path, vdir: Path, run_id: str,
-                 todo: list) -> tuple[int, list[SampleFailure], float]:
-    """Batches extracted by this machine (dumps in ``dump_dir``), shards written here."""
+def extract_here(params: ExtractParameters, settings: RetrievalSettings, server: RunningServer, dump_dir: Path,
+                 vdir: Path, run_id: str, todo: list) -> tuple[int, list[SampleFailure], float]:
+    """Batches extracted by this machine (dumps in ``dump_dir``), shards written here.
+
+    Raises ServerDied when the server exits meanwhile (what its batches wrote is kept). More
+    failures than the failure budget are returned as they are, not retried one by one: a
+    flood of per-sample tasks would not help and would swamp Prefect's server.
+    """
     started = time.monotonic()
     batches = [todo[i:i + params.batch_size] for i in range(0, len(todo), params.batch_size)]
     limit = InFlightLimit(params.max_in_flight, params.max_dump_bytes_in_flight)
     runner = ThreadPoolTaskRunner(max_workers=params.concurrent_batches)
-    with tqdm(total=len(todo), unit="sample", desc="extracting") as bar, runner:
+    with tqdm(total=len(todo), unit="sample", desc="extracting") as bar, runner, ServerWatch(server, limit):
         futures = [runner.submit(extract_batch_step, parameters=dict(
             index=i, samples=quote(batch), settings=settings, dump_dir=dump_dir,
             shard_path=vdir / "shards" / f"shard-{run_id}-{i:05d}.safetensors",
@@ -366,7 +439,12 @@ def extract_here(params: ExtractParameters, settings: RetrievalSettings, dump_di
         wait(futures)
         results = [f.result() for f in futures]
     tokens = sum(r.shard.tokens for r in results if r.shard)
-    retried, failures = retry_stragglers(params, [f for r in results for f in r.failures], todo, retry_sample_step,
+    if limit.stopped is not None or not server.process.alive():
+        raise ServerDied(limit.stopped or f"the server on {server.host.name} exited", tokens)
+    stragglers = [f for r in results for f in r.failures]
+    if len(stragglers) > failure_budget(params, len(todo)):
+        return tokens, stragglers, time.monotonic() - started
+    retried, failures = retry_stragglers(params, stragglers, todo, retry_sample_step,
                                          lambda n: (settings, dump_dir,
                                                     vdir / "shards" / f"shard-{run_id}-retry-{n:05d}.safetensors",
                                                     params.store_dtype))
@@ -465,7 +543,8 @@ def run_node_extraction(params: ExtractParameters, model_path: str, out: Path, v
                 mirror = DumpMirror(node, dump_dir, mirror_dir, RID_PREFIX)
                 try:
                     return extract_here(params, retrieval_settings(params, server, server.url, layer_ids,
-                                                                   hidden_size), mirror_dir, vdir, run_id, todo)
+                                                                   hidden_size), server, mirror_dir, vdir, run_id,
+                                        todo)
                 finally:
                     mirror.stop()
                     log.info("read %d dump files, %.1f MB, over SSH from %s (stream restarted %d times)",
@@ -524,6 +603,8 @@ def parse_args(argv: list[str] | None = None) -> ExtractParameters:
     p.add_argument("--attempts", type=int, default=d.attempts)
     p.add_argument("--sample-retries", type=int, default=d.sample_retries)
     p.add_argument("--backoff-s", type=float, default=d.backoff_s)
+    p.add_argument("--server-restarts", type=int, default=d.server_restarts)
+    p.add_argument("--max-failed-fraction", type=float, default=d.max_failed_fraction)
     p.add_argument("--max-length", type=int, default=d.max_length)
     p.add_argument("--on-overlong", choices=["truncate", "skip"], default=d.on_overlong)
     p.add_argument("--aux-layers", type=int, nargs=3, default=None, metavar="ID")
@@ -566,6 +647,7 @@ def parse_args(argv: list[str] | None = None) -> ExtractParameters:
                              max_dump_bytes_in_flight=a.max_dump_bytes_in_flight,
                              concurrent_batches=a.concurrent_batches, attempts=a.attempts,
                              sample_retries=a.sample_retries, backoff_s=a.backoff_s, max_length=a.max_length,
+                             server_restarts=a.server_restarts, max_failed_fraction=a.max_failed_fraction,
                              on_overlong=a.on_overlong,
                              aux_layers=a.aux_layers, dtype=a.dtype, exports=a.exports,
                              store_dtype=a.store_dtype, draft_vocab_size=a.draft_vocab_size,
@@ -576,3 +658,5 @@ def parse_args(argv: list[str] | None = None) -> ExtractParameters:
 if __name__ == "__main__":
     summary = extract(parse_args())
     print(json.dumps(summary, indent=2))
+    # a script or a nightly job must be able to tell: any failed sample is a non-zero exit
+    sys.exit(1 if summary["failed"] else 0)

@@ -62,6 +62,10 @@ class ConfigMismatch(SampleError):
     retryable = False
 
 
+class ServerGone(Exception):
+    """The run's server died or was stopped: nothing more is sent to it (``InFlightLimit.stop``)."""
+
+
 class PermanentFailure(SampleError):
     """A failure already known not to be retryable, re-raised where it is reported."""
 
@@ -107,6 +111,14 @@ class InFlightLimit:
         self._cond = threading.Condition()
         self._waiting: list[tuple[int, int]] = []
         self._arrivals = itertools.count()
+        #: why the server is gone (set by ``stop``); nothing more is sent once it is
+        self.stopped: str | None = None
+
+    def stop(self, reason: str) -> None:
+        """The server is gone: waiting and later samples fail at once instead of trying it."""
+        with self._cond:
+            self.stopped = reason
+            self._cond.notify_all()
 
     @contextmanager
     def hold(self, nbytes: int, priority: int = 0) -> Iterator[None]:
@@ -114,9 +126,14 @@ class InFlightLimit:
         ticket = (priority, next(self._arrivals))
         with self._cond:
             heapq.heappush(self._waiting, ticket)
-            self._cond.wait_for(lambda: self._waiting[0] == ticket and self._requests < self.max_requests
-                                and self._bytes + nbytes <= self.max_bytes)
-            heapq.heappop(self._waiting)
+            self._cond.wait_for(lambda: self.stopped is not None or (
+                self._waiting[0] == ticket and self._requests < self.max_requests
+                and self._bytes + nbytes <= self.max_bytes))
+            self._waiting.remove(ticket)
+            heapq.heapify(self._waiting)
+            if self.stopped is not None:
+                self._cond.notify_all()
+                raise ServerGone(self.stopped)
             self._requests += 1
             self._bytes += nbytes
             self._cond.notify_all()  # the next in line may fit as well
@@ -228,12 +245,15 @@ def extract_with_retries(settings: RetrievalSettings, reader: DumpReader, sample
         try:
             with limit.hold(nbytes, priority):
                 return extract_one(settings, reader, sample, i + 1, session)
+        except ServerGone as gone:
+            return SampleFailure(sample.sample_key, sample.source_id, f"not sent: {gone}", "ServerUnavailable",
+                                 True, i)
         except SampleError as exc:
             last = exc
             # every failed attempt is visible, also the ones a later attempt makes good
             log.warning("attempt %d of %d: %s: %s", i + 1, settings.attempts, type(exc).__name__, exc,
                         extra={"sample_error": type(exc).__name__})
-            if not exc.retryable:
+            if not exc.retryable or limit.stopped is not None:
                 break
             if i + 1 < settings.attempts:
                 time.sleep(settings.backoff_s * (2 ** i))

@@ -242,7 +242,8 @@ def test_a_sample_the_server_refuses_fails_alone_and_is_named(prefect_api, tiny_
         {"role": "user", "content": "tell me a story " * 400}, {"role": "assistant", "content": "no."}]}
     prompts = write_jsonl(tmp_path / "prompts.jsonl", long_rows)
     summary = extract(ExtractParameters(prompts=str(prompts), model_path=str(tiny_model_dir), out=str(tmp_path / "o"),
-                                        max_length=4000, server=ServerOptions(extra_args=["--context-length", "512"])))
+                                        max_length=4000, max_failed_fraction=0.5,
+                                        server=ServerOptions(extra_args=["--context-length", "512"])))
     assert (summary["written"], summary["failed"]) == (5, 1)
     run = json.loads(next(Path(summary["version_dir"], "runs").glob("*[0-9a-f].json")).read_text())
     assert [f["source_id"] for f in run["failed"]] == ["too-long-for-server"]
@@ -278,7 +279,7 @@ def test_a_sample_whose_dump_keeps_failing_is_retried_in_its_own_task(prefect_ap
     prompts = write_jsonl(tmp_path / "prompts.jsonl", rows)
     summary = extract(ExtractParameters(
         prompts=str(prompts), model_path=str(tiny_model_dir), out=str(tmp_path / "o"), max_length=4000,
-        max_in_flight=1, concurrent_batches=1, attempts=2, sample_retries=2, backoff_s=0.05,
+        max_in_flight=1, concurrent_batches=1, attempts=2, sample_retries=2, backoff_s=0.05, max_failed_fraction=0.5,
         server=ServerOptions(extra_args=["--dump-max-bytes", "1000000"])))
     assert (summary["written"], summary["failed"], summary["rows_in"]) == (5, 1, 6)
     run = json.loads(next(Path(summary["version_dir"], "runs").glob("*[0-9a-f].json")).read_text())
@@ -314,3 +315,74 @@ def test_float8_store_and_draft_vocabulary_from_the_command_line(prefect_api, ti
         for got, want in ((sample["aux_hidden_states"], aux), (sample["hidden_states"], final)):
             got, want = got.float().reshape(-1, data["hidden_size"]), want.float().reshape(-1, data["hidden_size"])
             assert float(((got - want).norm(dim=-1) / want.norm(dim=-1)).max()) < 0.07  # float8: 3 mantissa bits
+
+
+def kill_the_server_after(out: Path, shards: int, kills: list[int], times: int = 1) -> threading.Thread:
+    """SIGKILL the flow's local server (found by its command line) once ``shards`` shards exist, ``times``
+    times (each restarted server once more shards have appeared); the pids killed go to ``kills``."""
+    def server_pids() -> list[int]:
+        pids = []
+        for proc in Path("/proc").iterdir():
+            try:
+                cmd = (proc / "cmdline").read_bytes().split(b"\0")
+            except (OSError, ValueError):
+                continue
+            if b"infra.local_server" in cmd and str(out).encode() in b" ".join(cmd) and proc.name.isdigit():
+                pids.append(int(proc.name))
+        return pids
+
+    def run():
+        deadline = time.monotonic() + 300
+        while len(kills) < times and time.monotonic() < deadline:
+            written = len(list(out.glob("versions/*/shards/*.safetensors")))
+            alive = [p for p in server_pids() if p not in kills]
+            if written >= shards * (len(kills) + 1) and alive:
+                os.kill(alive[0], signal.SIGKILL)
+                kills.append(alive[0])
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_server_killed_mid_run_is_restarted_and_nothing_is_lost(prefect_api, tiny_model_dir, tmp_path):
+    rows = conversations(24)
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", rows)
+    out, kills = tmp_path / "out", []
+    killer = kill_the_server_after(out, shards=2, kills=kills)
+    summary = extract(ExtractParameters(prompts=str(prompts), model_path=str(tiny_model_dir), out=str(out),
+                                        batch_size=3, max_in_flight=2, concurrent_batches=1, backoff_s=0.05))
+    killer.join(5)
+    assert len(kills) == 1, "the server was never killed"
+    assert (summary["written"], summary["failed"], summary["written_this_run"]) == (24, 0, 24)
+    vdir = Path(summary["version_dir"])
+    assert len(list((vdir / "runs").glob("*-server-restart1.log"))) == 1
+    manifest = pl.read_parquet(vdir / "manifest.parquet")
+    assert manifest.height == 24 and manifest["sample_key"].n_unique() == 24
+    model, layer_ids = load_reference_model(str(tiny_model_dir)), json.loads((vdir / "dataset.json").read_text())["layer_ids"]
+    dataset = TrainingSetDataset(vdir)
+    for i in range(len(dataset)):  # samples from before and after the restart: all the model's
+        sample = dataset[i]
+        aux, final = reference_hidden_states(model, sample["input_ids"].tolist(), layer_ids)
+        assert (sample["aux_hidden_states"] - aux).abs().max() <= 1e-4
+        assert (sample["hidden_states"] - final).abs().max() <= 1e-4
+
+
+def test_a_server_that_keeps_dying_fails_the_run_without_a_task_flood(prefect_api, tiny_model_dir, tmp_path):
+    from flows.extract import RunFailed
+
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", conversations(24))
+    out, kills = tmp_path / "out", []
+    killer = kill_the_server_after(out, shards=1, kills=kills, times=2)
+    started = time.monotonic()
+    with pytest.raises(RunFailed, match="the server died 2 times"):
+        extract(ExtractParameters(prompts=str(prompts), model_path=str(tiny_model_dir), out=str(out), batch_size=3,
+                                  max_in_flight=2, concurrent_batches=1, backoff_s=0.05, server_restarts=1))
+    killer.join(5)
+    assert len(kills) == 2
+    assert time.monotonic() - started < 180, "samples waited through their retries for a dead server"
+    with get_client(sync_client=True) as client:
+        retries = client.read_task_runs(task_run_filter=TaskRunFilter(name=TaskRunFilterName(any_=[
+            f"sample-c{i}" for i in range(24)])))
+    assert retries == [], "per-sample retry tasks were spawned for a dead server"
