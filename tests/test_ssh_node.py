@@ -65,7 +65,7 @@ def test_flow_extracts_on_the_node_and_fetches_verified_shards(prefect_api, sshd
     prompts = write_jsonl(tmp_path / "prompts.jsonl", rows)
     workdir = tmp_path / "node"
     params = ExtractParameters(prompts=str(prompts), model_path=str(tiny_model_dir), out=str(tmp_path / "out"),
-                               batch_size=5, server=ServerOptions(chunked_prefill_size=24),
+                               batch_size=5, server=ServerOptions(chunked_prefill_size=24), exports=["specforge"],
                                node=node_options(sshd, workdir))
     summary = extract(params)
     assert (summary["written"], summary["failed"], summary["rows_in"]) == (12, 0, 12)
