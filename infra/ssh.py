@@ -44,6 +44,18 @@ NODE_PACKAGES = ("patches", "infra", "tasks")
 _NO_CLIENT_REKEY = 1 << 62
 
 
+class _QuietRefusedChannels(logging.Filter):
+    """paramiko logs an ERROR for each forwarded connection the node refuses: while a server
+    starts, that is every health check through the tunnel. The tunnel reports refusals itself."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (message.startswith("Secsh channel") and "open FAILED" in message)
+
+
+logging.getLogger("paramiko.transport").addFilter(_QuietRefusedChannels())
+
+
 # --------------------------------------------------------------------------- errors
 
 
@@ -271,13 +283,14 @@ class SshNode:
         """Run ``argv`` on the node; re-run it after a dropped connection when ``retry``
         (only for commands that are safe to run twice)."""
         line = self.command_line(argv, cwd)
-        deadline = time.monotonic() + self.settings.reconnect_for_s
+        deadline = None  # from the first loss: a command may run for hours before one
         delay = 0.5
         while True:
             try:
                 result = self._exec(line, stdin, timeout_s)
                 break
             except SshConnectionLost as exc:
+                deadline = deadline or time.monotonic() + self.settings.reconnect_for_s
                 if not retry or time.monotonic() > deadline:
                     raise
                 log.warning("%s: %s; running `%s` again", self.name, exc, line[:200])
@@ -430,12 +443,14 @@ class SshNode:
         size = int(self.run(["stat", "-c", "%s", remote]).stdout)
         tmp = local.with_name(f".{local.name}.part")
         local.parent.mkdir(parents=True, exist_ok=True)
-        deadline = time.monotonic() + self.settings.reconnect_for_s
+        deadline, progress = None, -1
         with open(tmp, "wb") as f:
             while f.tell() < size:
                 try:
                     self._stream(["tail", "-c", f"+{f.tell() + 1}", remote], f, chunk)
                 except SshConnectionLost as exc:
+                    if f.tell() != progress:  # bytes came since the last loss: a new loss, a new window
+                        deadline, progress = time.monotonic() + self.settings.reconnect_for_s, f.tell()
                     if time.monotonic() > deadline:
                         raise
                     log.warning("%s: %s; resuming %s at byte %d", self.name, exc, remote, f.tell())
@@ -508,6 +523,10 @@ class Tunnel:
         try:
             chan = self.node.transport().open_channel("direct-tcpip", ("127.0.0.1", self.remote_port), peer,
                                                       timeout=self.node.settings.connect_timeout_s)
+        except paramiko.ChannelException as exc:  # refused: the server is not up (yet); its health check says so
+            log.debug("%s: tunnel to port %d: %s", self.node.name, self.remote_port, exc)
+            conn.close()
+            return
         except (SshError, paramiko.SSHException, EOFError, OSError) as exc:
             log.warning("%s: tunnel to port %d: %s", self.node.name, self.remote_port, exc)
             conn.close()
@@ -537,6 +556,10 @@ class Tunnel:
 
     def close(self) -> None:
         self._closed = True
+        try:  # shutdown wakes the accept() of the listening thread; close alone would not
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # not connected state on some kernels: close() below still releases the port
         self._listener.close()
 
 
