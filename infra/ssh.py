@@ -42,6 +42,8 @@ REPO = Path(__file__).resolve().parent.parent
 #: the packages whose code runs on the node (the server, the hook, the agent, the extraction core)
 NODE_PACKAGES = ("patches", "infra", "tasks")
 _NO_CLIENT_REKEY = 1 << 62
+#: flags whose values never appear in a message or log line
+SECRET_FLAGS = ("--api-key",)
 
 
 class _QuietRefusedChannels(logging.Filter):
@@ -274,33 +276,35 @@ class SshNode:
 
     # -- commands
 
-    def command_line(self, argv: Sequence[str], cwd: str | None = None) -> str:
-        line = shlex.join([str(a) for a in argv])
+    def command_line(self, argv: Sequence[str], cwd: str | None = None, redact: bool = False) -> str:
+        """The shell line that runs ``argv`` (in ``cwd``); ``redact``: secret flag values hidden, for messages."""
+        line = redact_command([str(a) for a in argv], SECRET_FLAGS) if redact else shlex.join([str(a) for a in argv])
         return f"cd {shlex.quote(cwd)} && exec {line}" if cwd else line
 
     def run(self, argv: Sequence[str], stdin: bytes = b"", cwd: str | None = None, check: bool = True,
             retry: bool = True, timeout_s: float | None = None) -> CommandResult:
         """Run ``argv`` on the node; re-run it after a dropped connection when ``retry``
         (only for commands that are safe to run twice)."""
-        line = self.command_line(argv, cwd)
+        line, shown = self.command_line(argv, cwd), self.command_line(argv, cwd, redact=True)
         deadline = None  # from the first loss: a command may run for hours before one
         delay = 0.5
         while True:
             try:
-                result = self._exec(line, stdin, timeout_s)
+                result = self._exec(line, stdin, timeout_s, shown)
                 break
             except SshConnectionLost as exc:
                 deadline = deadline or time.monotonic() + self.settings.reconnect_for_s
                 if not retry or time.monotonic() > deadline:
                     raise
-                log.warning("%s: %s; running `%s` again", self.name, exc, line[:200])
+                log.warning("%s: %s; running `%s` again", self.name, exc, shown[:200])
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0)
         if check and result.code != 0:
-            raise NodeCommandFailed(self.name, line, result.code, result.stderr)
+            raise NodeCommandFailed(self.name, shown, result.code, result.stderr)
         return result
 
-    def _exec(self, line: str, stdin: bytes, timeout_s: float | None) -> CommandResult:
+    def _exec(self, line: str, stdin: bytes, timeout_s: float | None, shown: str) -> CommandResult:
+        """Run one shell line; ``shown`` is how messages name it (secrets hidden)."""
         try:
             chan = self.transport().open_session(timeout=self.settings.connect_timeout_s)
         except (paramiko.SSHException, EOFError, OSError) as exc:
@@ -320,13 +324,13 @@ class SshNode:
             code = chan.recv_exit_status()
         except (paramiko.SSHException, EOFError, OSError) as exc:
             self._drop()
-            raise SshConnectionLost(f"{self.name}: connection lost during `{line[:200]}`: "
+            raise SshConnectionLost(f"{self.name}: connection lost during `{shown[:200]}`: "
                                     f"{type(exc).__name__}: {exc}") from exc
         finally:
             chan.close()
         if code == -1 or not chan.exit_status_ready():
             self._drop()
-            raise SshConnectionLost(f"{self.name}: connection lost during `{line[:200]}` (no exit status)")
+            raise SshConnectionLost(f"{self.name}: connection lost during `{shown[:200]}` (no exit status)")
         return CommandResult(code, out, b"".join(err).decode("utf-8", "replace"))
 
     def _drop(self) -> None:
@@ -383,7 +387,7 @@ class SshNode:
             steps = [["mkdir", "-p", tmp], ["tar", "-xzf", "-", "-C", tmp], ["touch", f"{tmp}/.complete"],
                      ["mv", "-T", tmp, target]]
             line = " && ".join(shlex.join(s) for s in steps)
-            result = self._exec(line, buf.getvalue(), 120)
+            result = self._exec(line, buf.getvalue(), 120, line)
             if result.code != 0 and self.run(["test", "-f", f"{target}/.complete"], check=False).code != 0:
                 raise NodeCommandFailed(self.name, line, result.code, result.stderr)
             self.run(["rm", "-rf", tmp], check=False)
@@ -398,7 +402,7 @@ class SshNode:
         try:
             return json.loads(result.stdout.decode().strip().splitlines()[-1])
         except (ValueError, IndexError) as exc:
-            raise NodeCommandFailed(self.name, f"python -m {module} {shlex.join(args)}", result.code,
+            raise NodeCommandFailed(self.name, f"python -m {module} {redact_command(args, SECRET_FLAGS)}", result.code,
                                     f"no JSON answer ({exc}): {result.stdout[-500:]!r} {result.stderr}") from exc
 
     def agent(self, args: Sequence[str]) -> dict:
@@ -596,7 +600,7 @@ class SshHost:
 
     node: SshNode
     lease_timeout_s: float = 60.0
-    secret_flags: tuple[str, ...] = ("--api-key",)
+    secret_flags: tuple[str, ...] = SECRET_FLAGS
     tunnels: list[Tunnel] = field(default_factory=list)
 
     @property

@@ -371,9 +371,10 @@ def test_node_agent_refuses_a_busy_port_and_stops_a_server_an_earlier_run_left(s
         busy.listen()
         port = busy.getsockname()[1]
         web = [sys.executable, "-m", "http.server", "--bind", "127.0.0.1"]
-        with pytest.raises(NodeCommandFailed, match=f"port {port} on 127.0.0.1 is already in use"):
+        with pytest.raises(NodeCommandFailed, match=f"port {port} on 127.0.0.1 is already in use") as refused:
             node.agent(["start", "--server-dir", f"{servers}/a", "--port", str(port), "--lease-timeout-s", "60",
-                        "--", *web, str(port)])
+                        "--", *web, str(port), "--api-key", "s3cret"])
+        assert "--api-key '***'" in str(refused.value) and "s3cret" not in str(refused.value)
         busy.close()
 
         # An earlier run's server whose supervisor is gone too (a node reboot of the agent, an OOM kill):
