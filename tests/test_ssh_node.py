@@ -421,3 +421,13 @@ def test_crash_and_cancellation_hooks_stop_the_servers_a_run_noted(prefect_api, 
     stop_node_servers(extract, run, Crashed())
     assert not group_alive(pid)
     assert not list((out / "node-servers" / str(run.id)).iterdir())
+
+
+
+def test_node_flags_without_a_node_are_refused():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="apply to an SSH node"):
+        NodeOptions(shards_on="node")
+    with pytest.raises(ValidationError, match="with --shards-on here they are here"):
+        NodeOptions(node="ssh://me@gpu:22", shards_on="here", fetch=True)
