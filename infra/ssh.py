@@ -109,6 +109,8 @@ class SshSettings:
     connect_timeout_s: float = 20.0
     #: how long a dropped connection is retried before the command fails
     reconnect_for_s: float = 120.0
+    #: exec channels open at once on the connection; OpenSSH refuses more than its MaxSessions (10)
+    max_sessions: int = 8
 
     @property
     def url(self) -> str:
@@ -206,6 +208,7 @@ class SshNode:
         self.code_dir: str | None = None
         self._leases: set[str] = set()
         self._lease_timer: threading.Event | None = None
+        self.sessions = threading.BoundedSemaphore(settings.max_sessions)
 
     # -- connection
 
@@ -303,13 +306,25 @@ class SshNode:
             raise NodeCommandFailed(self.name, shown, result.code, result.stderr)
         return result
 
-    def _exec(self, line: str, stdin: bytes, timeout_s: float | None, shown: str) -> CommandResult:
-        """Run one shell line; ``shown`` is how messages name it (secrets hidden)."""
+    def open_session(self) -> paramiko.Channel:
+        """An exec channel (hold ``sessions`` while it is open); a dead transport is dropped and
+        reported as a lost connection, a channel the node refuses is not."""
         try:
-            chan = self.transport().open_session(timeout=self.settings.connect_timeout_s)
+            return self.transport().open_session(timeout=self.settings.connect_timeout_s)
+        except paramiko.ChannelException as exc:
+            raise SshError(f"{self.name}: the node refused a channel ({exc}); is its sshd MaxSessions below "
+                           f"max_sessions={self.settings.max_sessions}?") from exc
         except (paramiko.SSHException, EOFError, OSError) as exc:
             self._drop()
             raise SshConnectionLost(f"{self.name}: cannot open a channel: {type(exc).__name__}: {exc}") from exc
+
+    def _exec(self, line: str, stdin: bytes, timeout_s: float | None, shown: str) -> CommandResult:
+        """Run one shell line; ``shown`` is how messages name it (secrets hidden)."""
+        with self.sessions:
+            return self._exec_in_session(line, stdin, timeout_s, shown)
+
+    def _exec_in_session(self, line: str, stdin: bytes, timeout_s: float | None, shown: str) -> CommandResult:
+        chan = self.open_session()
         err: list[bytes] = []
         try:
             chan.settimeout(timeout_s)
@@ -466,9 +481,12 @@ class SshNode:
         return size
 
     def _stream(self, argv: Sequence[str], sink, chunk: int) -> None:
-        line = self.command_line(argv)
+        with self.sessions:
+            self._stream_in_session(self.command_line(argv), sink, chunk)
+
+    def _stream_in_session(self, line: str, sink, chunk: int) -> None:
+        chan = self.open_session()
         try:
-            chan = self.transport().open_session(timeout=self.settings.connect_timeout_s)
             chan.exec_command(line)
             chan.shutdown_write()
             while data := chan.recv(chunk):
@@ -714,11 +732,16 @@ class DumpMirror:
                 return
 
     def _stream_once(self) -> None:
+        with self.node.sessions:
+            self._stream_in_session()
+
+    def _stream_in_session(self) -> None:
         argv = [self.node.settings.python, "-m", "infra.dump_stream", "--dump-dir", self.remote_dir,
                 "--name-prefix", self.name_prefix]
         line = self.node.command_line(argv, cwd=self.node.code_dir)
+        acks = None
         try:
-            chan = self.node.transport().open_session(timeout=self.node.settings.connect_timeout_s)
+            chan = self.node.open_session()
             chan.exec_command(line)
             self._chan = chan
             acks = _AckSender(chan)
@@ -752,7 +775,8 @@ class DumpMirror:
             raise SshConnectionLost(f"{self.node.name}: dump stream: {type(exc).__name__}: {exc}") from exc
         finally:
             self._chan = None
-            acks.stop()
+            if acks is not None:
+                acks.stop()
         if self._stopped.is_set():
             return
         if code != 0:

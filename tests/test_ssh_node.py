@@ -431,3 +431,14 @@ def test_node_flags_without_a_node_are_refused():
         NodeOptions(shards_on="node")
     with pytest.raises(ValidationError, match="with --shards-on here they are here"):
         NodeOptions(node="ssh://me@gpu:22", shards_on="here", fetch=True)
+
+
+def test_more_commands_at_once_than_sshd_sessions_wait_their_turn(sshd, tmp_path):
+    """OpenSSH refuses an 11th session on one connection (MaxSessions 10): many batch tasks on
+    one node must queue for a channel, not fail or tear the shared connection down."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with SshNode(settings(sshd, tmp_path / "work")) as node:
+        with ThreadPoolExecutor(16) as pool:
+            answers = list(pool.map(lambda i: node.run(["sh", "-c", f"sleep 0.5; echo {i}"]).stdout, range(16)))
+        assert answers == [f"{i}\n".encode() for i in range(16)] and node.reconnects == 0
