@@ -30,7 +30,7 @@ from prefect.runtime import flow_run as current_flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.tasks import exponential_backoff
 from prefect.utilities.annotations import quote
-from pydantic import BaseModel, Field, SecretStr
+from pydantic import BaseModel, Field, SecretStr, model_validator
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
@@ -101,6 +101,14 @@ class NodeOptions(BaseModel):
                         description="Bring the node's shards home after the run and make the exports here.")
     lease_timeout_s: float = Field(60.0, title="Lease (s)", ge=2, le=3600,
                                    description="A server whose lease the flow stops renewing stops after this.")
+
+    @model_validator(mode="after")
+    def _node_flags_need_a_node(self) -> "NodeOptions":
+        if not self.remote and (self.shards_on or self.fetch):
+            raise ValueError("--shards-on and --fetch apply to an SSH node (--node ssh://... or --node-block)")
+        if self.fetch and self.shards_on == "here":
+            raise ValueError("--fetch brings home shards written on the node; with --shards-on here they are here")
+        return self
 
     @property
     def remote(self) -> bool:

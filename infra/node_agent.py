@@ -12,10 +12,9 @@ it passes is ever read by a shell here.
                                      supervisor that stops it when the lease file goes stale
     status --server-dir D            alive or not, exit code, the log's tail
     stop --server-dir D --grace-s G  SIGTERM the group, SIGKILL after G seconds (idempotent)
-    renew --server-dir D...          touch the lease files (the flow calls this periodically)
 
 A server folder holds ``server.log``, ``pid`` (the supervisor's pid = the process group id),
-``lease`` (its mtime, on the node's clock, is the last renewal), ``lease_timeout_s``, ``port``,
+``lease`` (its mtime, on the node's clock, is the last renewal: the flow touches it), ``lease_timeout_s``, ``port``,
 ``argv.json`` and, once the server has exited, ``exit``. Several servers (of one run or of
 several runs) live side by side under one ``servers/`` folder: nothing here assumes one.
 
@@ -312,8 +311,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     st = verbs.add_parser("stop")
     st.add_argument("--server-dir", type=Path, required=True)
     st.add_argument("--grace-s", type=float, default=30.0)
-    r = verbs.add_parser("renew")
-    r.add_argument("--server-dir", type=Path, nargs="+", required=True)
     a = p.parse_args(argv)
     try:
         if a.verb == "supervise":
@@ -328,12 +325,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             out = start(a.server_dir, a.port, a.lease_timeout_s, server_argv)
         elif a.verb == "status":
             out = status(a.server_dir)
-        elif a.verb == "stop":
-            out = stop(a.server_dir, a.grace_s)
         else:
-            for d in a.server_dir:
-                (d / "lease").touch()
-            out = {"renewed": len(a.server_dir)}
+            out = stop(a.server_dir, a.grace_s)
     except AgentError as exc:
         print(f"node_agent {a.verb}: {exc}", file=sys.stderr)
         return 2

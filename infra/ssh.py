@@ -42,6 +42,20 @@ REPO = Path(__file__).resolve().parent.parent
 #: the packages whose code runs on the node (the server, the hook, the agent, the extraction core)
 NODE_PACKAGES = ("patches", "infra", "tasks")
 _NO_CLIENT_REKEY = 1 << 62
+#: flags whose values never appear in a message or log line
+SECRET_FLAGS = ("--api-key",)
+
+
+class _QuietRefusedChannels(logging.Filter):
+    """paramiko logs an ERROR for each forwarded connection the node refuses: while a server
+    starts, that is every health check through the tunnel. The tunnel reports refusals itself."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (message.startswith("Secsh channel") and "open FAILED" in message)
+
+
+logging.getLogger("paramiko.transport").addFilter(_QuietRefusedChannels())
 
 
 # --------------------------------------------------------------------------- errors
@@ -95,6 +109,8 @@ class SshSettings:
     connect_timeout_s: float = 20.0
     #: how long a dropped connection is retried before the command fails
     reconnect_for_s: float = 120.0
+    #: exec channels open at once on the connection; OpenSSH refuses more than its MaxSessions (10)
+    max_sessions: int = 8
 
     @property
     def url(self) -> str:
@@ -192,6 +208,7 @@ class SshNode:
         self.code_dir: str | None = None
         self._leases: set[str] = set()
         self._lease_timer: threading.Event | None = None
+        self.sessions = threading.BoundedSemaphore(settings.max_sessions)
 
     # -- connection
 
@@ -262,37 +279,52 @@ class SshNode:
 
     # -- commands
 
-    def command_line(self, argv: Sequence[str], cwd: str | None = None) -> str:
-        line = shlex.join([str(a) for a in argv])
+    def command_line(self, argv: Sequence[str], cwd: str | None = None, redact: bool = False) -> str:
+        """The shell line that runs ``argv`` (in ``cwd``); ``redact``: secret flag values hidden, for messages."""
+        line = redact_command([str(a) for a in argv], SECRET_FLAGS) if redact else shlex.join([str(a) for a in argv])
         return f"cd {shlex.quote(cwd)} && exec {line}" if cwd else line
 
     def run(self, argv: Sequence[str], stdin: bytes = b"", cwd: str | None = None, check: bool = True,
             retry: bool = True, timeout_s: float | None = None) -> CommandResult:
         """Run ``argv`` on the node; re-run it after a dropped connection when ``retry``
         (only for commands that are safe to run twice)."""
-        line = self.command_line(argv, cwd)
-        deadline = time.monotonic() + self.settings.reconnect_for_s
+        line, shown = self.command_line(argv, cwd), self.command_line(argv, cwd, redact=True)
+        deadline = None  # from the first loss: a command may run for hours before one
         delay = 0.5
         while True:
             try:
-                result = self._exec(line, stdin, timeout_s)
+                result = self._exec(line, stdin, timeout_s, shown)
                 break
             except SshConnectionLost as exc:
+                deadline = deadline or time.monotonic() + self.settings.reconnect_for_s
                 if not retry or time.monotonic() > deadline:
                     raise
-                log.warning("%s: %s; running `%s` again", self.name, exc, line[:200])
+                log.warning("%s: %s; running `%s` again", self.name, exc, shown[:200])
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0)
         if check and result.code != 0:
-            raise NodeCommandFailed(self.name, line, result.code, result.stderr)
+            raise NodeCommandFailed(self.name, shown, result.code, result.stderr)
         return result
 
-    def _exec(self, line: str, stdin: bytes, timeout_s: float | None) -> CommandResult:
+    def open_session(self) -> paramiko.Channel:
+        """An exec channel (hold ``sessions`` while it is open); a dead transport is dropped and
+        reported as a lost connection, a channel the node refuses is not."""
         try:
-            chan = self.transport().open_session(timeout=self.settings.connect_timeout_s)
+            return self.transport().open_session(timeout=self.settings.connect_timeout_s)
+        except paramiko.ChannelException as exc:
+            raise SshError(f"{self.name}: the node refused a channel ({exc}); is its sshd MaxSessions below "
+                           f"max_sessions={self.settings.max_sessions}?") from exc
         except (paramiko.SSHException, EOFError, OSError) as exc:
             self._drop()
             raise SshConnectionLost(f"{self.name}: cannot open a channel: {type(exc).__name__}: {exc}") from exc
+
+    def _exec(self, line: str, stdin: bytes, timeout_s: float | None, shown: str) -> CommandResult:
+        """Run one shell line; ``shown`` is how messages name it (secrets hidden)."""
+        with self.sessions:
+            return self._exec_in_session(line, stdin, timeout_s, shown)
+
+    def _exec_in_session(self, line: str, stdin: bytes, timeout_s: float | None, shown: str) -> CommandResult:
+        chan = self.open_session()
         err: list[bytes] = []
         try:
             chan.settimeout(timeout_s)
@@ -307,13 +339,13 @@ class SshNode:
             code = chan.recv_exit_status()
         except (paramiko.SSHException, EOFError, OSError) as exc:
             self._drop()
-            raise SshConnectionLost(f"{self.name}: connection lost during `{line[:200]}`: "
+            raise SshConnectionLost(f"{self.name}: connection lost during `{shown[:200]}`: "
                                     f"{type(exc).__name__}: {exc}") from exc
         finally:
             chan.close()
         if code == -1 or not chan.exit_status_ready():
             self._drop()
-            raise SshConnectionLost(f"{self.name}: connection lost during `{line[:200]}` (no exit status)")
+            raise SshConnectionLost(f"{self.name}: connection lost during `{shown[:200]}` (no exit status)")
         return CommandResult(code, out, b"".join(err).decode("utf-8", "replace"))
 
     def _drop(self) -> None:
@@ -370,7 +402,7 @@ class SshNode:
             steps = [["mkdir", "-p", tmp], ["tar", "-xzf", "-", "-C", tmp], ["touch", f"{tmp}/.complete"],
                      ["mv", "-T", tmp, target]]
             line = " && ".join(shlex.join(s) for s in steps)
-            result = self._exec(line, buf.getvalue(), 120)
+            result = self._exec(line, buf.getvalue(), 120, line)
             if result.code != 0 and self.run(["test", "-f", f"{target}/.complete"], check=False).code != 0:
                 raise NodeCommandFailed(self.name, line, result.code, result.stderr)
             self.run(["rm", "-rf", tmp], check=False)
@@ -385,7 +417,7 @@ class SshNode:
         try:
             return json.loads(result.stdout.decode().strip().splitlines()[-1])
         except (ValueError, IndexError) as exc:
-            raise NodeCommandFailed(self.name, f"python -m {module} {shlex.join(args)}", result.code,
+            raise NodeCommandFailed(self.name, f"python -m {module} {redact_command(args, SECRET_FLAGS)}", result.code,
                                     f"no JSON answer ({exc}): {result.stdout[-500:]!r} {result.stderr}") from exc
 
     def agent(self, args: Sequence[str]) -> dict:
@@ -418,8 +450,8 @@ class SshNode:
                 dirs = sorted(self._leases)
             if not dirs:
                 continue
-            try:
-                self.agent(["renew", "--server-dir", *dirs])
+            try:  # touch, not a Python start: cheap enough for short leases; -c: a stopped server's folder stays bare
+                self.run(["touch", "-c", *(f"{d}/lease" for d in dirs)])
             except SshError as exc:  # the next renewal tries again; a server whose lease runs out stops
                 log.error("%s: lease renewal of %s failed: %s", self.name, dirs, exc)
 
@@ -430,12 +462,14 @@ class SshNode:
         size = int(self.run(["stat", "-c", "%s", remote]).stdout)
         tmp = local.with_name(f".{local.name}.part")
         local.parent.mkdir(parents=True, exist_ok=True)
-        deadline = time.monotonic() + self.settings.reconnect_for_s
+        deadline, progress = None, -1
         with open(tmp, "wb") as f:
             while f.tell() < size:
                 try:
                     self._stream(["tail", "-c", f"+{f.tell() + 1}", remote], f, chunk)
                 except SshConnectionLost as exc:
+                    if f.tell() != progress:  # bytes came since the last loss: a new loss, a new window
+                        deadline, progress = time.monotonic() + self.settings.reconnect_for_s, f.tell()
                     if time.monotonic() > deadline:
                         raise
                     log.warning("%s: %s; resuming %s at byte %d", self.name, exc, remote, f.tell())
@@ -447,9 +481,12 @@ class SshNode:
         return size
 
     def _stream(self, argv: Sequence[str], sink, chunk: int) -> None:
-        line = self.command_line(argv)
+        with self.sessions:
+            self._stream_in_session(self.command_line(argv), sink, chunk)
+
+    def _stream_in_session(self, line: str, sink, chunk: int) -> None:
+        chan = self.open_session()
         try:
-            chan = self.transport().open_session(timeout=self.settings.connect_timeout_s)
             chan.exec_command(line)
             chan.shutdown_write()
             while data := chan.recv(chunk):
@@ -508,6 +545,10 @@ class Tunnel:
         try:
             chan = self.node.transport().open_channel("direct-tcpip", ("127.0.0.1", self.remote_port), peer,
                                                       timeout=self.node.settings.connect_timeout_s)
+        except paramiko.ChannelException as exc:  # refused: the server is not up (yet); its health check says so
+            log.debug("%s: tunnel to port %d: %s", self.node.name, self.remote_port, exc)
+            conn.close()
+            return
         except (SshError, paramiko.SSHException, EOFError, OSError) as exc:
             log.warning("%s: tunnel to port %d: %s", self.node.name, self.remote_port, exc)
             conn.close()
@@ -537,6 +578,10 @@ class Tunnel:
 
     def close(self) -> None:
         self._closed = True
+        try:  # shutdown wakes the accept() of the listening thread; close alone would not
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # not connected state on some kernels: close() below still releases the port
         self._listener.close()
 
 
@@ -573,7 +618,7 @@ class SshHost:
 
     node: SshNode
     lease_timeout_s: float = 60.0
-    secret_flags: tuple[str, ...] = ("--api-key",)
+    secret_flags: tuple[str, ...] = SECRET_FLAGS
     tunnels: list[Tunnel] = field(default_factory=list)
 
     @property
@@ -687,11 +732,16 @@ class DumpMirror:
                 return
 
     def _stream_once(self) -> None:
+        with self.node.sessions:
+            self._stream_in_session()
+
+    def _stream_in_session(self) -> None:
         argv = [self.node.settings.python, "-m", "infra.dump_stream", "--dump-dir", self.remote_dir,
                 "--name-prefix", self.name_prefix]
         line = self.node.command_line(argv, cwd=self.node.code_dir)
+        acks = None
         try:
-            chan = self.node.transport().open_session(timeout=self.node.settings.connect_timeout_s)
+            chan = self.node.open_session()
             chan.exec_command(line)
             self._chan = chan
             acks = _AckSender(chan)
@@ -725,7 +775,8 @@ class DumpMirror:
             raise SshConnectionLost(f"{self.node.name}: dump stream: {type(exc).__name__}: {exc}") from exc
         finally:
             self._chan = None
-            acks.stop()
+            if acks is not None:
+                acks.stop()
         if self._stopped.is_set():
             return
         if code != 0:

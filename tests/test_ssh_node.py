@@ -371,9 +371,10 @@ def test_node_agent_refuses_a_busy_port_and_stops_a_server_an_earlier_run_left(s
         busy.listen()
         port = busy.getsockname()[1]
         web = [sys.executable, "-m", "http.server", "--bind", "127.0.0.1"]
-        with pytest.raises(NodeCommandFailed, match=f"port {port} on 127.0.0.1 is already in use"):
+        with pytest.raises(NodeCommandFailed, match=f"port {port} on 127.0.0.1 is already in use") as refused:
             node.agent(["start", "--server-dir", f"{servers}/a", "--port", str(port), "--lease-timeout-s", "60",
-                        "--", *web, str(port)])
+                        "--", *web, str(port), "--api-key", "s3cret"])
+        assert "--api-key '***'" in str(refused.value) and "s3cret" not in str(refused.value)
         busy.close()
 
         # An earlier run's server whose supervisor is gone too (a node reboot of the agent, an OOM kill):
@@ -420,3 +421,24 @@ def test_crash_and_cancellation_hooks_stop_the_servers_a_run_noted(prefect_api, 
     stop_node_servers(extract, run, Crashed())
     assert not group_alive(pid)
     assert not list((out / "node-servers" / str(run.id)).iterdir())
+
+
+
+def test_node_flags_without_a_node_are_refused():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="apply to an SSH node"):
+        NodeOptions(shards_on="node")
+    with pytest.raises(ValidationError, match="with --shards-on here they are here"):
+        NodeOptions(node="ssh://me@gpu:22", shards_on="here", fetch=True)
+
+
+def test_more_commands_at_once_than_sshd_sessions_wait_their_turn(sshd, tmp_path):
+    """OpenSSH refuses an 11th session on one connection (MaxSessions 10): many batch tasks on
+    one node must queue for a channel, not fail or tear the shared connection down."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with SshNode(settings(sshd, tmp_path / "work")) as node:
+        with ThreadPoolExecutor(16) as pool:
+            answers = list(pool.map(lambda i: node.run(["sh", "-c", f"sleep 0.5; echo {i}"]).stdout, range(16)))
+        assert answers == [f"{i}\n".encode() for i in range(16)] and node.reconnects == 0
