@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             sshd.stop()
     raw_rate = total / raw_s
-    print(f"| path | MB | s | MB/s | % of raw |\n|---|---|---|---|---|")
+    print("| path | MB | s | MB/s | % of raw |\n|---|---|---|---|---|")
     for name, nbytes, secs in rows:
         rate = nbytes / secs
         print(f"| {name} | {nbytes / 1e6:.0f} | {secs:.2f} | {rate / 1e6:.0f} | {100 * rate / raw_rate:.0f}% |")
