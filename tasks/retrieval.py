@@ -188,7 +188,8 @@ def fetch_dump(settings: RetrievalSettings, reader: DumpReader, sample: Prepared
                              f"{(exp.layer_ids, exp.hidden_size, exp.dtype)}")
     return TrainingSample(sample_key=sample.sample_key, source_id=sample.source_id,
                           input_ids=dump.input_ids, loss_mask=torch.tensor(sample.loss_mask, dtype=torch.int64),
-                          aux_hidden_states=dump.aux_hidden_states, final_hidden_states=dump.final_hidden_states)
+                          aux_hidden_states=dump.aux_hidden_states, final_hidden_states=dump.final_hidden_states,
+                          prenorm_hidden_states=dump.prenorm_hidden_states)
 
 
 def extract_one(settings: RetrievalSettings, reader: DumpReader, sample: PreparedSample, attempt: int,
