@@ -34,7 +34,7 @@ def compare(reference: Path, quantized: Path) -> tuple[list[float], list[float]]
         r, q = ref[i], quant[i]
         if not torch.equal(r["input_ids"], q["input_ids"]):
             raise SystemExit(f"sample {keys[i]}: other token ids in the two versions")
-        for name in ("aux_hidden_states", "hidden_states"):
+        for name in ("aux_hidden_states", "hidden_states", "prenorm_hidden_states"):
             a = r[name].float().reshape(-1, hidden)
             b = q[name].float().reshape(-1, hidden)
             rel.append((b - a).norm(dim=-1) / a.norm(dim=-1).clamp_min(1e-30))
