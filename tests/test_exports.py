@@ -365,7 +365,7 @@ def released_function(requirement: str, module_path: str, name: str):
 
 
 def test_vocab_mapping_against_an_independent_count_and_the_trainers_code(tmp_path, specforge):
-    # speculators' train/vocab_mapping.py imports HF datasets (not installed): its function alone.
+    # speculators' train/vocab_mapping.py imports the whole speculators package: its function alone.
     speculators_mapping = released_function(SPECULATORS, "speculators/train/vocab_mapping.py",
                                             "build_vocab_mappings_from_distribution")
     sys.path.insert(0, str(released(SPECFORGE)))
