@@ -2,10 +2,10 @@
 
     python -m bench.disk_cost out/versions/<fingerprint> [...]
 
-Writes the SpecForge and ModelOpt exports on demand (python -m tasks.exports) where they
+Writes the SpecForge, ModelOpt and speculators exports on demand (python -m tasks.exports) where they
 are missing, then prints one markdown row per configuration: bytes on disk (file sizes
 under the folders), bytes per token, and that over the tensor bytes a trainer reads
-(ids, mask, aux and final states in the extracted dtype). The native store is the shards plus the manifest,
+(ids, mask, aux and both final states in the extracted dtype). The native store is the shards plus the manifest,
 dataset.json and the vocabulary files.
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 from tasks.exports import run_export
 from tasks.training_set import read_dataset_json
 
-EXPORTS = ("specforge", "modelopt")
+EXPORTS = ("specforge", "modelopt", "speculators")
 
 
 def tree_bytes(path: Path) -> int:

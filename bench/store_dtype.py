@@ -34,7 +34,7 @@ def compare(reference: Path, quantized: Path) -> tuple[list[float], list[float]]
         r, q = ref[i], quant[i]
         if not torch.equal(r["input_ids"], q["input_ids"]):
             raise SystemExit(f"sample {keys[i]}: other token ids in the two versions")
-        for name in ("aux_hidden_states", "hidden_states"):
+        for name in ("aux_hidden_states", "hidden_states", "prenorm_hidden_states"):
             a = r[name].float().reshape(-1, hidden)
             b = q[name].float().reshape(-1, hidden)
             rel.append((b - a).norm(dim=-1) / a.norm(dim=-1).clamp_min(1e-30))
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
         cells = ("0", "0", "1", "1") if errors is None else (
             f"{sum(rel) / len(rel):.4f}", f"{max(rel):.4f}", f"{sum(cos) / len(cos):.6f}", f"{min(cos):.6f}")
         print(f"| {data['store_dtype']} | {shard_bytes(path) / data['tokens']:,.1f} | " + " | ".join(cells) + " |")
-    print(f"\n{len(rel):,} vectors (tokens x (aux layers + final)), {read_dataset_json(a.reference)['tokens']:,} tokens")
+    print(f"\n{len(rel):,} vectors (tokens x (aux layers + both final states)), {read_dataset_json(a.reference)['tokens']:,} tokens")
 
 
 if __name__ == "__main__":

@@ -329,7 +329,7 @@ def extract(params: ExtractParameters = ExtractParameters()) -> dict:
     log.info("dataset version %s in %s", config.fingerprint(), vdir)
 
     info = DatasetInfo(model=facts.name, layer_ids=list(config.layer_ids), layer_convention=config.layer_convention,
-                       final_norm=config.final_norm, dtype=config.dtype, store_dtype=config.store_dtype,
+                       final_states=config.final_states, dtype=config.dtype, store_dtype=config.store_dtype,
                        hidden_size=facts.hidden_size,
                        num_layers=facts.num_layers, vocab_size=facts.vocab_size, template_hash=config.template_hash,
                        max_length=config.max_length, project_version=PROJECT_VERSION,

@@ -308,7 +308,8 @@ class StepBatch:
     extend_prefix_lens: list[int]
     is_prefill: list[bool]
     input_ids: torch.Tensor              # int64 [rows]
-    hidden_states: list[torch.Tensor]    # HF hidden_states, each [rows, H]
+    hidden_states: list[torch.Tensor]    # HF hidden_states, each [rows, H]; the last is after the final norm
+    prenorm_hidden_states: torch.Tensor  # [rows, H], the input of the final norm
 
 
 class DumpHook:
@@ -331,9 +332,30 @@ class DumpHook:
         pieces = [PieceRows(r.rid, r.chunk_start, r.row_start, r.row_end, req.prompt_len, req.prompt_hash,
                             "extend" if r.is_prefill else "decode")
                   for req, r, want in zip(batch.requests, rows, wanted) if want]
-        # HF Llama: the last hidden_states entry is after the final norm
         capture_pieces(self.writer, pieces, batch.input_ids.to(batch.hidden_states[-1].device),
-                       [batch.hidden_states[i] for i in self.layer_ids], batch.hidden_states[-1])
+                       [batch.hidden_states[i] for i in self.layer_ids], batch.hidden_states[-1],
+                       batch.prenorm_hidden_states)
+
+
+class FinalNormInput:
+    """The input of the model's final norm in the last forward: the pre-norm final state.
+
+    HF ``hidden_states[-1]`` is the norm's output; its input is seen only by a forward
+    pre-hook on ``model.model.norm``.
+    """
+
+    def __init__(self, model):
+        self.value: torch.Tensor | None = None
+        model.model.norm.register_forward_pre_hook(self._hook)
+
+    def _hook(self, module, args) -> None:
+        self.value = args[0]
+
+    def take(self) -> torch.Tensor:
+        value, self.value = self.value, None
+        if value is None:
+            raise RuntimeError("the forward did not run the model's final norm (model.model.norm)")
+        return value
 
 
 class Scheduler:
@@ -348,6 +370,7 @@ class Scheduler:
         self.eos_ids = eos_ids
         self.prefill_budget, self.mixed, self.max_running = prefill_budget, mixed, max_running
         self.prefix_cache, self.dump_hook = prefix_cache, dump_hook
+        self._final_norm_input = FinalNormInput(model)
         self._cond = threading.Condition()
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
@@ -450,7 +473,7 @@ class Scheduler:
     def _step(self, plan: list[tuple[Request, int]]) -> None:
         from transformers import DynamicCache
 
-        seq_lens, prefix_lens, is_prefill, ids, hidden, last_logits = [], [], [], [], [], []
+        seq_lens, prefix_lens, is_prefill, ids, hidden, prenorm, last_logits = [], [], [], [], [], [], []
         with torch.inference_mode():
             for req, n in plan:
                 chunk = req.tokens(req.computed, n)
@@ -463,11 +486,12 @@ class Scheduler:
                 is_prefill.append(req.prefilling)
                 ids.extend(chunk)
                 hidden.append([h[0] for h in out.hidden_states])
+                prenorm.append(self._final_norm_input.take()[0])
                 last_logits.append(out.logits[0, -1])
             if self.dump_hook is not None:
                 batch = StepBatch([r for r, _ in plan], seq_lens, prefix_lens, is_prefill,
                                   torch.tensor(ids, dtype=torch.int64),
-                                  [torch.cat(layer) for layer in zip(*hidden)])
+                                  [torch.cat(layer) for layer in zip(*hidden)], torch.cat(prenorm))
                 self.dump_hook(batch)
             for (req, n), logits in zip(plan, last_logits):
                 req.computed += n

@@ -82,11 +82,13 @@ def to_host(tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], object
 
 
 def capture_pieces(writer: DumpWriter, pieces: Sequence[PieceRows], input_ids: torch.Tensor,
-                   aux_parts: Sequence[torch.Tensor], final: torch.Tensor, transfer: Transfer = to_host) -> list[str]:
+                   aux_parts: Sequence[torch.Tensor], final: torch.Tensor, prenorm: torch.Tensor,
+                   transfer: Transfer = to_host) -> list[str]:
     """Snapshot, checksum and queue one piece per entry of ``pieces``; returns the rids queued.
 
-    ``input_ids`` [rows], each of ``aux_parts`` [rows, H] and ``final`` [rows, H] cover the
-    forward's flat batch; a piece is rows ``[row_start, row_end)`` of each.
+    ``input_ids`` [rows], each of ``aux_parts`` [rows, H], ``final`` [rows, H] (after the final
+    norm) and ``prenorm`` [rows, H] (before it) cover the forward's flat batch; a piece is rows
+    ``[row_start, row_end)`` of each.
     """
     pieces = [p for p in pieces if p.row_end > p.row_start]
     if not pieces:
@@ -95,14 +97,16 @@ def capture_pieces(writer: DumpWriter, pieces: Sequence[PieceRows], input_ids: t
     ids = torch.cat([input_ids[s] for s in spans]).to(torch.int64)
     aux = torch.cat([torch.cat([a[s] for s in spans]) for a in aux_parts], dim=-1)
     fin = torch.cat([final[s] for s in spans])
-    sums = row_checksums(ids, aux, fin, len(aux_parts))
-    (ids, aux, fin, sums), ready = transfer([ids, aux, fin, sums])
+    pre = torch.cat([prenorm[s] for s in spans])
+    sums = row_checksums(ids, aux, fin, pre, len(aux_parts))
+    (ids, aux, fin, pre, sums), ready = transfer([ids, aux, fin, pre, sums])
     queued, row = [], 0
     for p in pieces:
         n = p.row_end - p.row_start
         rows = slice(row, row + n)
         if writer.submit(p.rid, chunk_start=p.chunk_start, input_ids=ids[rows], prompt_len=p.prompt_len,
                          prompt_hash=p.prompt_hash, aux_hidden_states=aux[rows], final_hidden_states=fin[rows],
+                         prenorm_hidden_states=pre[rows],
                          row_checksums=sums[rows], forward_mode=p.forward_mode, ready=ready):
             queued.append(p.rid)
         row += n

@@ -14,10 +14,18 @@ Tensors:
     ``input_ids``            int64 ``[n]``      the chunk's token ids
     ``aux_hidden_states``    ``[n, k*H]``       residual stream entering the aux layers, concatenated
     ``final_hidden_states``  ``[n, H]``         last layer's output after the model's final norm
+    ``prenorm_hidden_states`` ``[n, H]``        the same state before the final norm
 
-Metadata (safetensors string header, ``format == "eagle3-dump"``, ``version == "2"``):
+Both final states are stored as the engine computed them (:data:`FINAL_STATES`): each trainer
+takes one or the other (SpecForge and ModelOpt the post-norm state, speculators the pre-norm
+one and applies the norm itself). Deriving the post-norm state from the stored pre-norm one
+and the norm's weights is exact for the transformers engine but not for SGLang, whose fused
+add + norm normalizes the unrounded fp32 sum (18% of the values differ in bf16:
+``python -m bench.final_states``, README).
+
+Metadata (safetensors string header, ``format == "eagle3-dump"``, ``version == "3"``):
     rid, chunk_start, chunk_len, prompt_len, prompt_hash (of the whole prompt's ids),
-    layer_ids (JSON list), layer_convention, final_norm, dtype, model, forward_mode,
+    layer_ids (JSON list), layer_convention, final_states, dtype, model, forward_mode,
     checksum (JSON list, see :func:`fold_checksums`), instance (the writing server's launch
     nonce: a reader told its own server's instance refuses any other's pieces as foreign).
 
@@ -27,7 +35,7 @@ the bytes it read: a copy to the host that raced with later GPU work, a torn wri
 bit flip on the way is a :class:`DumpCorrupt`, never a training sample. It is exact
 integer arithmetic on the values' bit patterns (sums wrap modulo 2**64, so the order of
 summation on GPU or CPU cannot change it), per column group: the token ids, each aux tap,
-the final state; for each, the sum of the row sums and the sum of row sum x (row + 1),
+the post-norm and the pre-norm final state; for each, the sum of the row sums and the sum of row sum x (row + 1),
 so that rows in the wrong order are caught too.
 
 A request's prefill is complete when its pieces cover ``[0, prompt_len)`` exactly
@@ -72,14 +80,17 @@ from patches.safetensors_stream import write_safetensors
 log = logging.getLogger(__name__)
 
 DUMP_FORMAT = "eagle3-dump"
-DUMP_VERSION = "2"
+DUMP_VERSION = "3"
 PIECE_SUFFIX = ".dump.safetensors"
 ERROR_SUFFIX = ".error.json"
 #: layer ids index Hugging Face ``outputs.hidden_states``: id i is the residual stream
 #: entering decoder layer i (SGLang's and speculators' convention).
 LAYER_CONVENTION = "hf_hidden_states_index"
-FINAL_NORM = "post_norm"
+#: the final states every dump holds: ``final_hidden_states`` after the model's final norm,
+#: ``prenorm_hidden_states`` before it (the residual stream leaving the last decoder layer)
+FINAL_STATES = "post_norm+pre_norm"
 
+_PIECE_TENSORS = ("input_ids", "aux_hidden_states", "final_hidden_states", "prenorm_hidden_states")
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 
 
@@ -105,15 +116,18 @@ _NON_FINITE_BITS = {torch.bfloat16: (0x7FFF, 0x7F80), torch.float16: (0x7FFF, 0x
                     torch.float32: (0x7FFFFFFF, 0x7F800000)}
 
 
-def row_checksums(input_ids: torch.Tensor, aux: torch.Tensor, final: torch.Tensor, num_taps: int) -> torch.Tensor:
-    """Per row, the int64 sum of each column group's bit patterns: ``[rows, 2 + num_taps]``.
+def row_checksums(input_ids: torch.Tensor, aux: torch.Tensor, final: torch.Tensor, prenorm: torch.Tensor,
+                  num_taps: int) -> torch.Tensor:
+    """Per row, the int64 sum of each column group's bit patterns: ``[rows, 3 + num_taps]``.
 
-    Groups: token ids, aux tap 0..k-1, final state. Runs on the tensors' device (the
-    patch calls it on the GPU, the reader on the CPU) and gives the same integers on both.
+    Groups: token ids, aux tap 0..k-1, post-norm final state, pre-norm final state. Runs on
+    the tensors' device (the patch calls it on the GPU, the reader on the CPU) and gives the
+    same integers on both.
     """
     rows, h = int(final.shape[0]), int(final.shape[-1])
     view = _INT_VIEW[final.element_size()]
-    states = [aux.reshape(rows, num_taps, h).view(view), final.reshape(rows, 1, h).view(view)]
+    states = [aux.reshape(rows, num_taps, h).view(view), final.reshape(rows, 1, h).view(view),
+              prenorm.reshape(rows, 1, h).view(view)]
     sums = [_int_row_sums(t) for t in states]
     return torch.cat([input_ids.reshape(rows, 1).to(torch.int64), *sums], dim=1)
 
@@ -143,9 +157,10 @@ def fold_checksums(rows: torch.Tensor) -> list[int]:
     return torch.cat([rows.sum(dim=0), (rows * weights).sum(dim=0)]).tolist()
 
 
-def piece_checksum(input_ids: torch.Tensor, aux: torch.Tensor, final: torch.Tensor, num_taps: int) -> list[int]:
+def piece_checksum(input_ids: torch.Tensor, aux: torch.Tensor, final: torch.Tensor, prenorm: torch.Tensor,
+                   num_taps: int) -> list[int]:
     """The checksum of one piece, as its metadata stores it (what the reader recomputes)."""
-    return fold_checksums(row_checksums(input_ids, aux, final, num_taps))
+    return fold_checksums(row_checksums(input_ids, aux, final, prenorm, num_taps))
 
 
 def safe_rid(rid: str) -> str:
@@ -239,6 +254,7 @@ class _Piece:
     input_ids: torch.Tensor
     aux: torch.Tensor
     final: torch.Tensor
+    prenorm: torch.Tensor
     row_checksums: torch.Tensor  # int64 [n, groups]: row_checksums of the values at capture
     ready: object | None  # a torch.cuda.Event to wait on before reading the host tensors
     nbytes: int
@@ -290,6 +306,7 @@ class DumpWriter:
         prompt_hash: str,
         aux_hidden_states: torch.Tensor,
         final_hidden_states: torch.Tensor,
+        prenorm_hidden_states: torch.Tensor,
         row_checksums: torch.Tensor,
         forward_mode: str = "extend",
         ready: object | None = None,
@@ -299,7 +316,8 @@ class DumpWriter:
         ``row_checksums`` are the piece's :func:`row_checksums`, computed where the values were
         produced; with ``ready``, the host tensors are valid once the event is.
         """
-        nbytes = sum(t.numel() * t.element_size() for t in (input_ids, aux_hidden_states, final_hidden_states))
+        nbytes = sum(t.numel() * t.element_size()
+                     for t in (input_ids, aux_hidden_states, final_hidden_states, prenorm_hidden_states))
         if self._drop_if_failed(rid):
             return False
         with self._lock:
@@ -310,7 +328,8 @@ class DumpWriter:
             self._refuse(rid, f"writer queue over its budget of {self.settings.max_pending_bytes} bytes")
             return False
         piece = _Piece(rid, chunk_start, prompt_len, prompt_hash, forward_mode,
-                       input_ids, aux_hidden_states, final_hidden_states, row_checksums, ready, nbytes)
+                       input_ids, aux_hidden_states, final_hidden_states, prenorm_hidden_states, row_checksums,
+                       ready, nbytes)
         try:
             self._queues[zlib.crc32(rid.encode()) % len(self._queues)].put_nowait(piece)
         except queue.Full:
@@ -366,14 +385,15 @@ class DumpWriter:
             "chunk_start": str(piece.chunk_start), "chunk_len": str(int(piece.input_ids.numel())),
             "prompt_len": str(piece.prompt_len), "prompt_hash": piece.prompt_hash,
             "layer_ids": json.dumps(list(s.layer_ids)), "layer_convention": LAYER_CONVENTION,
-            "final_norm": FINAL_NORM, "dtype": str(piece.aux.dtype).removeprefix("torch."),
+            "final_states": FINAL_STATES, "dtype": str(piece.aux.dtype).removeprefix("torch."),
             "model": s.model, "forward_mode": piece.forward_mode,
             "checksum": json.dumps(fold_checksums(piece.row_checksums)), "instance": s.instance,
         }
         ids = piece.input_ids.to(torch.int64)
         columns = [("input_ids", torch.int64, ids.shape, [ids]),
                    ("aux_hidden_states", piece.aux.dtype, piece.aux.shape, [piece.aux]),
-                   ("final_hidden_states", piece.final.dtype, piece.final.shape, [piece.final])]
+                   ("final_hidden_states", piece.final.dtype, piece.final.shape, [piece.final]),
+                   ("prenorm_hidden_states", piece.prenorm.dtype, piece.prenorm.shape, [piece.prenorm])]
         if s.max_dir_bytes is not None:
             used = _dir_bytes(self.dump_dir)
             if used + piece.nbytes > s.max_dir_bytes:
@@ -458,10 +478,11 @@ class AssembledDump:
     rid: str
     input_ids: torch.Tensor           # int64 [T]
     aux_hidden_states: torch.Tensor   # [T, k*H]
-    final_hidden_states: torch.Tensor  # [T, H]
+    final_hidden_states: torch.Tensor  # [T, H], after the final norm
+    prenorm_hidden_states: torch.Tensor  # [T, H], before it
     layer_ids: list[int]
     layer_convention: str
-    final_norm: str
+    final_states: str
     dtype: str
     model: str
     instance: str
@@ -572,7 +593,7 @@ class DumpReader:
             cursor = p.chunk_end
         if cursor != total:
             raise DumpIncomplete(rid, self.dump_dir, f"pieces cover [0,{cursor}) of {total} tokens")
-        aux_parts, final_parts = [], []
+        aux_parts, final_parts, prenorm_parts = [], [], []
         for p in prefill:
             tensors = self._load(rid, p)
             got = tensors["input_ids"]
@@ -581,37 +602,39 @@ class DumpReader:
                                   f"at [{p.chunk_start},{p.chunk_end})")
             aux_parts.append(tensors["aux_hidden_states"])
             final_parts.append(tensors["final_hidden_states"])
+            prenorm_parts.append(tensors["prenorm_hidden_states"])
         # one piece (a prompt within the chunk size) needs no copy
-        aux, final = (aux_parts[0], final_parts[0]) if len(prefill) == 1 else (torch.cat(aux_parts), torch.cat(final_parts))
+        aux, final, prenorm = ((aux_parts[0], final_parts[0], prenorm_parts[0]) if len(prefill) == 1 else
+                               (torch.cat(aux_parts), torch.cat(final_parts), torch.cat(prenorm_parts)))
         meta = prefill[0].meta
         layer_ids = json.loads(meta["layer_ids"])
         h = final.shape[1] if final.dim() == 2 else -1
-        if final.shape != (total, h) or aux.shape != (total, len(layer_ids) * h):
-            raise DumpCorrupt(rid, self.dump_dir, f"shapes aux {tuple(aux.shape)} final {tuple(final.shape)} do not fit "
-                              f"{total} tokens x {len(layer_ids)} aux layers")
-        if not (all_finite(aux) and all_finite(final)):
+        if final.shape != (total, h) or prenorm.shape != (total, h) or aux.shape != (total, len(layer_ids) * h):
+            raise DumpCorrupt(rid, self.dump_dir, f"shapes aux {tuple(aux.shape)} final {tuple(final.shape)} pre-norm "
+                              f"{tuple(prenorm.shape)} do not fit {total} tokens x {len(layer_ids)} aux layers")
+        if not (all_finite(aux) and all_finite(final) and all_finite(prenorm)):
             raise DumpCorrupt(rid, self.dump_dir, "hidden states hold NaN or Inf")
-        return AssembledDump(rid, ids, aux, final, layer_ids, meta["layer_convention"], meta["final_norm"],
+        return AssembledDump(rid, ids, aux, final, prenorm, layer_ids, meta["layer_convention"], meta["final_states"],
                              meta["dtype"], meta["model"], meta.get("instance", ""), tuple(p.path for p in infos))
 
     def _load(self, rid: str, p: PieceInfo) -> dict[str, torch.Tensor]:
         """The piece's tensors, their lengths and their checksum verified."""
         try:
             with safe_open(str(p.path), framework="pt") as f:
-                tensors = {name: f.get_tensor(name) for name in ("input_ids", "aux_hidden_states", "final_hidden_states")}
+                tensors = {name: f.get_tensor(name) for name in _PIECE_TENSORS}
             n = tensors["input_ids"].numel()
             want = json.loads(p.meta["checksum"])
             num_taps = len(json.loads(p.meta["layer_ids"]))
         except (SafetensorError, OSError, KeyError, ValueError) as exc:
             raise DumpCorrupt(rid, self.dump_dir, f"cannot read piece {p.path.name}: {exc}") from exc
-        if n != p.chunk_len or tensors["aux_hidden_states"].shape[0] != n or tensors["final_hidden_states"].shape[0] != n:
+        if n != p.chunk_len or any(tensors[name].shape[0] != n for name in _PIECE_TENSORS):
             raise DumpCorrupt(rid, self.dump_dir, f"piece {p.path.name} holds tensors of lengths other than its {p.chunk_len} tokens")
         try:
-            got = piece_checksum(tensors["input_ids"], tensors["aux_hidden_states"], tensors["final_hidden_states"], num_taps)
+            got = piece_checksum(*(tensors[name] for name in _PIECE_TENSORS), num_taps)
         except (RuntimeError, KeyError) as exc:  # shapes or dtype that do not fit the layer count
             raise DumpCorrupt(rid, self.dump_dir, f"piece {p.path.name}: cannot checksum its tensors: {exc}") from exc
         if got != want:
-            groups = ["token ids"] + [f"aux tap {i}" for i in json.loads(p.meta["layer_ids"])] + ["final state"]
+            groups = ["token ids"] + [f"aux tap {i}" for i in json.loads(p.meta["layer_ids"])] + ["final state", "pre-norm final state"]
             width = len(groups)
             bad = [g for i, g in enumerate(groups) if (got[i], got[width + i]) != (want[i], want[width + i])] if len(want) == 2 * width else groups
             raise DumpCorrupt(rid, self.dump_dir, f"piece {p.path.name} [{p.chunk_start},{p.chunk_end}): the values read "

@@ -13,6 +13,14 @@ What it attaches, per process:
   ``(input_ids, hidden_states, lm_head, forward_batch, aux_hidden_states)``, i.e. the
   batch's new tokens, the final hidden states after the norm for every row, and the
   EAGLE-3 aux list;
+- a forward hook on the model's final norm (``model.norm``), called as
+  ``norm(hidden_states, residual)`` on both releases: it returns ``(normed, residual)``, the
+  residual updated to ``hidden_states + residual``, the last layer's output before the norm
+  (the pre-norm final state; 0.5.23's decoder layers no longer return their residual, so
+  the norm is the one place both releases show it). Llama and Qwen do not pass the logits
+  processor ``hidden_states_before_norm`` on either release (only DeepSeek-V4 and a few MTP
+  models do). The norm runs just before the logits processor in the same forward; the
+  logits hook takes the pair only if the norm's output is the tensor it was handed;
 - on releases whose EAGLE-3 capture needs a draft model (``layer_hooks``), forward hooks
   on the decoder layers before each tap that compute what SGLang's capture computes,
   ``hidden_states + residual`` (the residual stream entering the tap layer);
@@ -47,6 +55,7 @@ from patches.capture import PieceRows, Transfer, capture_pieces, to_host
 from patches.dumps import DumpSettings, DumpWriter, prompt_hash
 from patches.sglang_releases import (
     DECODER_LAYER_MODULE,
+    FINAL_NORM_MODULE,
     FORWARD_BATCH_INFO,
     LOGITS_PROCESSOR_MODULE,
     PARALLEL_STATE,
@@ -62,6 +71,7 @@ AUX_ATTR = "eagle3_dump_aux"
 
 LOGITS_HOOK_FACTORY = "patches.sglang_hook:make_logits_hook"
 LAYER_HOOK_FACTORY = "patches.sglang_hook:make_aux_layer_hook"
+FINAL_NORM_HOOK_FACTORY = "patches.sglang_hook:make_final_norm_hook"
 
 
 @dataclass(frozen=True)
@@ -85,14 +95,16 @@ def dump_extend_batch(
     forward_mode: str,
     input_ids: torch.Tensor,
     final_hidden_states: torch.Tensor,
+    prenorm_hidden_states: torch.Tensor | None,
     aux_hidden_states: Sequence[torch.Tensor] | torch.Tensor | None,
     num_aux_layers: int,
     transfer: Transfer = to_host,
 ) -> list[str]:
     """Submit one piece per wanted request of one forward; returns the rids submitted.
 
-    ``final_hidden_states`` [rows, H] and ``aux_hidden_states`` (a list of ``num_aux_layers``
-    tensors [rows, H], or one packed [rows, k*H]) cover the whole flat batch; rows past the
+    ``final_hidden_states`` [rows, H] (after the final norm), ``prenorm_hidden_states`` [rows, H]
+    (before it) and ``aux_hidden_states`` (a list of ``num_aux_layers`` tensors [rows, H], or one
+    packed [rows, k*H]) cover the whole flat batch; rows past the
     requests' are padding. A request's piece holds its rows up to the end of its prompt:
     rows of a decode step (a request whose prefix already covers its prompt) and output
     tokens of a re-prefilled request are not part of the prompt. A batch that does not add
@@ -115,7 +127,10 @@ def dump_extend_batch(
     aux_parts = _split_aux(aux_hidden_states, num_aux_layers, final_hidden_states)
     if isinstance(aux_parts, str):
         return fail_all(aux_parts)
-    num_rows = min(int(final_hidden_states.shape[0]), int(input_ids.shape[0]),
+    if prenorm_hidden_states is None or prenorm_hidden_states.shape[-1:] != final_hidden_states.shape[-1:]:
+        return fail_all("no pre-norm final state reached the logits processor: the hook on the model's final norm "
+                        f"({FINAL_NORM_MODULE}) did not see this forward's norm; start the server with python -m patches.launch")
+    num_rows = min(int(final_hidden_states.shape[0]), int(prenorm_hidden_states.shape[0]), int(input_ids.shape[0]),
                    *(int(a.shape[0]) for a in aux_parts))
     is_prefill = [p is not None and int(prefix) < p.prompt_len for p, prefix in zip(prompts, extend_prefix_lens)]
     try:
@@ -134,7 +149,7 @@ def dump_extend_batch(
         n = min(rows.n, prompt.prompt_len - rows.chunk_start)
         pieces.append(PieceRows(rows.rid, rows.chunk_start, rows.row_start, rows.row_start + n,
                                 prompt.prompt_len, prompt.prompt_hash))
-    return capture_pieces(writer, pieces, input_ids, aux_parts, final_hidden_states, transfer)
+    return capture_pieces(writer, pieces, input_ids, aux_parts, final_hidden_states, prenorm_hidden_states, transfer)
 
 
 def _split_aux(aux, k: int, final: torch.Tensor) -> list[torch.Tensor] | str:
@@ -175,7 +190,9 @@ class HookConfig:
 def forward_hook_specs(config: HookConfig) -> list[dict]:
     """The ``--forward-hooks`` entries for this config (what ``patches.launch`` passes)."""
     specs = [{"name": "eagle3-dump", "target_modules": [LOGITS_PROCESSOR_MODULE],
-              "hook_factory": LOGITS_HOOK_FACTORY, "config": config.to_json()}]
+              "hook_factory": LOGITS_HOOK_FACTORY, "config": config.to_json()},
+             {"name": "eagle3-final-norm", "target_modules": [FINAL_NORM_MODULE],
+              "hook_factory": FINAL_NORM_HOOK_FACTORY, "config": config.to_json()}]
     if config.aux_capture == "layer_hooks":
         # HF hidden_states[i] is the residual stream entering layer i = the output of layer i-1.
         for layer_id in config.dump.layer_ids:
@@ -196,12 +213,20 @@ class _ProcessState:
         self.attn_tp_rank = int(parallel_state.get_attn_tensor_model_parallel_rank())
         self.writer = DumpWriter(config.dump) if self.attn_tp_rank == 0 else None
         self.hashes = _PromptHashCache()
+        #: (normed, pre-norm) of the last final-norm call, taken by the logits hook of the same forward
+        self.final_norm_output: tuple[torch.Tensor, torch.Tensor] | None = None
         self.warned_unnoted = False
         if self.writer is not None:
             _wrap_init_new(self)
         log.info("eagle3 dump hook: attention-TP rank %d %s dumps of rids %r to %s (layers %s, aux %s)",
                  self.attn_tp_rank, "writes" if self.writer else "does not write", config.dump.rid_prefix,
                  config.dump.dump_dir, list(config.dump.layer_ids), config.aux_capture)
+
+    def take_prenorm(self, normed: torch.Tensor) -> torch.Tensor | None:
+        """The pre-norm final state of the norm call whose output is ``normed`` (None if that was not
+        the last norm call seen); forgotten either way, so no later forward can take it."""
+        pair, self.final_norm_output = self.final_norm_output, None
+        return pair[1] if pair is not None and pair[0] is normed else None
 
     def note_prompts(self, reqs: Sequence[Any]) -> None:
         for req in reqs:
@@ -298,6 +323,7 @@ def make_logits_hook(config: dict) -> Callable | None:
         input_ids, hidden_states, forward_batch = args[0], args[1], args[3]
         # Popped whatever the forward: a runner may hand the same static batch object to the next one.
         captured = forward_batch.__dict__.pop(AUX_ATTR, {})
+        prenorm = state.take_prenorm(hidden_states)
         prompts = state.wanted_prompts(forward_batch)
         if prompts is None:
             return None
@@ -309,7 +335,7 @@ def make_logits_hook(config: dict) -> Callable | None:
             writer, rids=forward_batch.rids, prompts=prompts,
             extend_seq_lens=forward_batch.extend_seq_lens_cpu, extend_prefix_lens=forward_batch.extend_prefix_lens_cpu,
             forward_mode=forward_batch.forward_mode.name, input_ids=input_ids, final_hidden_states=hidden_states,
-            aux_hidden_states=aux, num_aux_layers=len(hook_config.dump.layer_ids))
+            prenorm_hidden_states=prenorm, aux_hidden_states=aux, num_aux_layers=len(hook_config.dump.layer_ids))
         return None
 
     return hook
@@ -331,6 +357,21 @@ def make_aux_layer_hook(config: dict) -> Callable | None:
         # runs (LlamaModel.forward); computed now, before that layer's fused norm
         # overwrites both tensors in place.
         forward_batch.__dict__.setdefault(AUX_ATTR, {})[layer_id] = hidden_states + residual
+        return None
+
+    return hook
+
+
+def make_final_norm_hook(config: dict) -> Callable | None:
+    """Hook factory for the model's final norm: keeps its ``(normed, pre-norm)`` output for the logits hook."""
+    state = _process_state(HookConfig.from_json(config))
+    if state.writer is None:
+        return None
+
+    def hook(module, args, output):
+        # norm(hidden_states, residual) returns (normed, hidden_states + residual). A reference,
+        # not a copy: the logits hook snapshots the wanted rows right after, in the same forward.
+        state.final_norm_output = (output[0], output[1]) if isinstance(output, tuple) and len(output) == 2 else None
         return None
 
     return hook

@@ -79,11 +79,18 @@ PARALLEL_STATE = "sglang.srt.distributed.parallel_state"
 SCHEDULE_BATCH = "sglang.srt.managers.schedule_batch"
 LOGITS_PROCESSOR = "sglang.srt.layers.logits_processor"
 LLAMA = "sglang.srt.models.llama"
+QWEN2 = "sglang.srt.models.qwen2"
+QWEN3 = "sglang.srt.models.qwen3"
+LAYERNORM = "sglang.srt.layers.layernorm"
+RESIDUAL_BATCH = "sglang.srt.layers.layer_boundary.residual.batch"
+RESIDUAL_ACCESS = "sglang.srt.layers.layer_boundary.residual.access"
 #: Server-argument fields live in server_args.py (0.5.17) or arg_groups/fields/*.py (0.5.23).
 SERVER_ARGS = "sglang.srt.server_args"
 
 #: Module name under which the model's LogitsProcessor is registered (``self.logits_processor``).
 LOGITS_PROCESSOR_MODULE = "logits_processor"
+#: The model's final norm (``self.model.norm``), called as ``norm(hidden_states, residual)``.
+FINAL_NORM_MODULE = "model.norm"
 #: ``model.layers.{i}``: decoder layer i of a *ForCausalLM (``self.model.layers``).
 DECODER_LAYER_MODULE = "model.layers.{}"
 
@@ -142,6 +149,33 @@ SYMBOLS: tuple[Symbol, ...] = (
            snippet="aux_hidden_states.append(hidden_states + residual)", releases=_V17),
     Symbol("source", LLAMA, "LlamaDecoderLayer.forward", "0.5.17 layers return (hidden_states, residual)",
            snippet="return (hidden_states, residual)", releases=_V17),
+    # -- the pre-norm final state: the final norm's (normed, hidden_states + residual) output
+    Symbol("field", LLAMA, "LlamaModel.norm", "the final norm the pre-norm hook is attached to (model.norm)"),
+    Symbol("source", LAYERNORM, "RMSNorm.forward_native", "with a residual, the norm returns (normed, the sum)",
+           snippet="return (x, residual)"),
+    Symbol("source", LAYERNORM, "RMSNorm.forward_native", "the returned residual is the pre-norm sum, rounded",
+           snippet="residual = x.to(orig_dtype)"),
+    Symbol("source", LAYERNORM, "RMSNorm.forward_cpu", "the CPU kernel returns (normed, the sum) too",
+           snippet="return (x, residual)"),
+    Symbol("source", LLAMA, "LlamaModel.forward", "0.5.17: the final norm takes the last layer's pair",
+           snippet="hidden_states, _ = self.norm(hidden_states, residual)", releases=_V17),
+    Symbol("source", LLAMA, "LlamaModel.forward", "0.5.23: the final norm through the residual stream",
+           snippet="hidden_states = residual_batch.final_norm(hidden_states, forward_batch, self.norm)", releases=_V23),
+    Symbol("source", QWEN2, "Qwen2Model.forward", "0.5.23: Qwen2's final norm through the residual stream",
+           snippet="hidden_states = residual_batch.final_norm(hidden_states, forward_batch, self.norm, skip_empty=True)",
+           releases=_V23),
+    Symbol("source", QWEN3, "Qwen3Model.forward", "0.5.23: Qwen3's final norm through the residual stream",
+           snippet="hidden_states = residual_batch.final_norm(hidden_states, forward_batch, self.norm, skip_empty=True)",
+           releases=_V23),
+    Symbol("source", RESIDUAL_BATCH, "final_norm", "0.5.23: a dense model's pair goes to final_norm_pair",
+           snippet="return access.final_norm_pair(hidden_states, residual, layernorm, capture, **read_kwargs)",
+           releases=_V23),
+    Symbol("source", RESIDUAL_ACCESS, "final_norm_pair", "0.5.23: the norm is called with the pair, as a module",
+           snippet="hidden_states, residual = norm(hidden_states, residual, **read_kwargs)", releases=_V23),
+    Symbol("function", LOGITS_PROCESSOR, "LogitsProcessor.forward",
+           "takes hidden_states_before_norm, which Llama and Qwen do not pass (hence the norm hook)",
+           params=("input_ids", "hidden_states", "lm_head", "logits_metadata", "aux_hidden_states",
+                   "hidden_states_before_norm")),
     Symbol("flag", SERVER_ARGS, "enable_return_aux_hidden_states", "aux capture without a draft", releases=_V23),
     Symbol("flag", SERVER_ARGS, "return_aux_hidden_state_layer_ids", "explicit EAGLE-3 taps (SGLang ids)",
            releases=_V23),

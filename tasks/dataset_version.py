@@ -14,10 +14,10 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from patches.dumps import FINAL_NORM, LAYER_CONVENTION, default_aux_layer_ids
+from patches.dumps import FINAL_STATES, LAYER_CONVENTION, default_aux_layer_ids
 
 #: Bumped when the training-set layout or the meaning of a field changes.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: the pre-norm final state beside the post-norm one
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ class ExtractionConfig:
     model_identity: str
     layer_ids: tuple[int, ...]
     layer_convention: str
-    final_norm: str
+    final_states: str       # patches.dumps.FINAL_STATES: which final states the samples hold
     dtype: str
     store_dtype: str        # dtype, or a quantized storage dtype (tasks.shards.QUANTIZED_DTYPES)
     template_hash: str
@@ -87,7 +87,7 @@ def extraction_config(model: ModelFacts, layer_ids: list[int] | None, dtype: str
     if bad or len(set(layers)) != len(layers):
         raise ValueError(f"aux layer ids {list(layers)} must be distinct HF hidden_states indices in "
                          f"1..{model.num_layers - 1} (model {model.name} has {model.num_layers} layers)")
-    return ExtractionConfig(model.identity, layers, LAYER_CONVENTION, FINAL_NORM, dtype, store_dtype or dtype,
+    return ExtractionConfig(model.identity, layers, LAYER_CONVENTION, FINAL_STATES, dtype, store_dtype or dtype,
                             template_hash, max_length, on_overlong, template_variables)
 
 

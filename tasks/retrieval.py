@@ -209,7 +209,8 @@ def fetch_dump(settings: RetrievalSettings, reader: DumpReader, sample: Prepared
                              f"dump of rid {rid} has layers/hidden/dtype/model {got}, this run expects {want}")
     return TrainingSample(sample_key=sample.sample_key, source_id=sample.source_id,
                           input_ids=dump.input_ids, loss_mask=torch.tensor(sample.loss_mask, dtype=torch.int64),
-                          aux_hidden_states=dump.aux_hidden_states, final_hidden_states=dump.final_hidden_states)
+                          aux_hidden_states=dump.aux_hidden_states, final_hidden_states=dump.final_hidden_states,
+                          prenorm_hidden_states=dump.prenorm_hidden_states)
 
 
 def extract_one(settings: RetrievalSettings, reader: DumpReader, sample: PreparedSample, attempt: int,

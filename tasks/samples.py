@@ -27,4 +27,5 @@ class TrainingSample:
     input_ids: torch.Tensor            # int64 [T]
     loss_mask: torch.Tensor            # int64 [T], 0/1
     aux_hidden_states: torch.Tensor    # [T, k*H], target dtype
-    final_hidden_states: torch.Tensor  # [T, H], post-norm
+    final_hidden_states: torch.Tensor  # [T, H], after the final norm
+    prenorm_hidden_states: torch.Tensor  # [T, H], before it

@@ -10,15 +10,17 @@ concatenated along the token axis in header order::
     offsets              int64 [n+1]      sample i is rows offsets[i]:offsets[i+1]
     aux_hidden_states    store [N, k*H]   residual stream entering the k aux layers, concatenated
     final_hidden_states  store [N, H]     last layer's output AFTER the model's final norm
+    prenorm_hidden_states store [N, H]    the same BEFORE the final norm (speculators' trainer norms it)
     aux_scales           float32 [N, k]   only when store is float8_e4m3fn, see below
     final_scales         float32 [N, 1]   idem
+    prenorm_scales       float32 [N, 1]   idem
 
 Metadata (string header): ``format == "eagle3-training-shard"``, ``version`` (SCHEMA_VERSION),
 ``dtype`` (the hidden states' dtype as extracted), ``store_dtype`` (as stored: ``dtype``, or
 ``float8_e4m3fn``), ``hidden_size``, ``aux_width`` (k*H), and ``samples``: a JSON list, in
 offset order, of ``{"sample_key", "source_id", "num_supervised", "content_hash"}``.
 ``content_hash`` covers the dtype, shapes and bytes of the sample's stored tensors (ids,
-mask, aux, final, then the scales when quantized): the exports use it to tell an up-to-date
+mask, aux, final, pre-norm final, then the scales when quantized): the exports use it to tell an up-to-date
 file from a stale one without reading it.
 
 float8_e4m3fn storage (``write_shard(..., store_dtype="float8_e4m3fn")``), per-token scales as
@@ -131,10 +133,12 @@ def write_shard(path: Path, samples: list[TrainingSample], store_dtype: str | No
         ("offsets", torch.int64, [len(samples) + 1], [offsets]),
         ("aux_hidden_states", store, [total, aux_width], [t[0] for t in stored]),
         ("final_hidden_states", store, [total, hidden], [t[1] for t in stored]),
+        ("prenorm_hidden_states", store, [total, hidden], [t[2] for t in stored]),
     ]
     if store_dtype is not None:
-        columns += [("aux_scales", torch.float32, [total, aux_width // hidden], [t[2] for t in stored]),
-                    ("final_scales", torch.float32, [total, 1], [t[3] for t in stored])]
+        columns += [("aux_scales", torch.float32, [total, aux_width // hidden], [t[3] for t in stored]),
+                    ("final_scales", torch.float32, [total, 1], [t[4] for t in stored]),
+                    ("prenorm_scales", torch.float32, [total, 1], [t[5] for t in stored])]
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
     try:
         with open(tmp, "wb") as f:
@@ -195,12 +199,13 @@ def dequantize_per_token(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dty
 
 
 def _stored_tensors(s: TrainingSample, store_dtype: str | None, layers: int) -> tuple[torch.Tensor, ...]:
-    """(aux, final) as they are, or quantized: (aux, final, aux_scales, final_scales)."""
+    """(aux, final, prenorm) as they are, or quantized: the same, then their scales."""
     if store_dtype is None:
-        return s.aux_hidden_states, s.final_hidden_states
+        return s.aux_hidden_states, s.final_hidden_states, s.prenorm_hidden_states
     aux, aux_scales = quantize_per_token(s.aux_hidden_states, layers)
     final, final_scales = quantize_per_token(s.final_hidden_states, 1)
-    return aux, final, aux_scales, final_scales
+    prenorm, prenorm_scales = quantize_per_token(s.prenorm_hidden_states, 1)
+    return aux, final, prenorm, aux_scales, final_scales, prenorm_scales
 
 
 def _read_header(path: Path) -> tuple[dict, list[int]]:
@@ -246,12 +251,14 @@ def _check_samples(path: Path, samples: list[TrainingSample]) -> tuple[torch.dty
             raise bad(f"loss_mask must be int64 [{t}], got {s.loss_mask.dtype} {tuple(s.loss_mask.shape)}")
         if not bool(((s.loss_mask == 0) | (s.loss_mask == 1)).all()):
             raise bad("loss_mask holds values other than 0 and 1")
-        if s.final_hidden_states.shape != (t, hidden) or s.aux_hidden_states.shape != (t, aux_width):
+        if (s.final_hidden_states.shape != (t, hidden) or s.prenorm_hidden_states.shape != (t, hidden)
+                or s.aux_hidden_states.shape != (t, aux_width)):
             raise bad(f"hidden states aux {tuple(s.aux_hidden_states.shape)} final {tuple(s.final_hidden_states.shape)}"
-                      f" do not fit [{t}, {aux_width}] and [{t}, {hidden}] (shapes of the shard's first sample)")
-        if s.aux_hidden_states.dtype != dtype or s.final_hidden_states.dtype != dtype:
-            raise bad(f"hidden states of dtypes {s.aux_hidden_states.dtype}/{s.final_hidden_states.dtype}, "
-                      f"the shard's are {dtype}")
+                      f" pre-norm {tuple(s.prenorm_hidden_states.shape)} do not fit [{t}, {aux_width}] and "
+                      f"[{t}, {hidden}] (shapes of the shard's first sample)")
+        states = (s.aux_hidden_states, s.final_hidden_states, s.prenorm_hidden_states)
+        if any(x.dtype != dtype for x in states):
+            raise bad(f"hidden states of dtypes {'/'.join(str(x.dtype) for x in states)}, the shard's are {dtype}")
     return dtype, hidden, aux_width
 
 

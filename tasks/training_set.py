@@ -57,7 +57,7 @@ class DatasetInfo:
     model: str
     layer_ids: list[int]
     layer_convention: str   # patches.dumps.LAYER_CONVENTION: ids index HF hidden_states (input of layer i)
-    final_norm: str         # "post_norm": final_hidden_states are after the model's final norm
+    final_states: str       # patches.dumps.FINAL_STATES: the post-norm and the pre-norm final state
     dtype: str              # the hidden states' dtype as extracted, and as the loader hands them out
     store_dtype: str        # as the shards store them: dtype, or float8_e4m3fn with per-token scales
     hidden_size: int
@@ -112,8 +112,8 @@ def read_manifest(version_dir: Path) -> pl.DataFrame:
 
 
 def sample_bytes(num_tokens: int, info: DatasetInfo) -> int:
-    """Tensor bytes of a sample of ``num_tokens`` tokens: ids and mask (int64) plus aux and final states."""
-    width = (len(info.layer_ids) + 1) * info.hidden_size
+    """Tensor bytes of a sample of ``num_tokens`` tokens: ids and mask (int64) plus aux and both final states."""
+    width = (len(info.layer_ids) + 2) * info.hidden_size
     return num_tokens * (16 + width * info.torch_dtype.itemsize)
 
 
@@ -140,7 +140,8 @@ class TrainingSetDataset(torch.utils.data.Dataset):
 
     Only the manifest is read up front; a sample's rows are sliced out of its memory-mapped
     shard on access. Items: input_ids, loss_mask (int64 [T]), aux_hidden_states [T, k*H],
-    hidden_states [T, H] (post-norm final), in ``info.dtype`` (float8 shards are dequantized).
+    hidden_states [T, H] (the final state after the model's final norm), prenorm_hidden_states
+    [T, H] (the same before the norm), in ``info.dtype`` (float8 shards are dequantized).
     Safe to hand to DataLoader workers: open shard handles are not pickled.
     """
 
@@ -169,11 +170,22 @@ class TrainingSetDataset(torch.utils.data.Dataset):
             # clone holds exactly the sample's rows.
             item = {"input_ids": f.get_slice("input_ids")[start:end].clone(),
                     "loss_mask": f.get_slice("loss_mask")[start:end].clone()}
-            for name, column in (("aux_hidden_states", "aux"), ("hidden_states", "final")):
+            for name, column in (("aux_hidden_states", "aux"), ("hidden_states", "final"),
+                                 ("prenorm_hidden_states", "prenorm")):
                 stored = f.get_slice(f"{column}_hidden_states")[start:end]
                 item[name] = dequantize_per_token(stored, f.get_slice(f"{column}_scales")[start:end],
                                                   self.info.torch_dtype) if self._quantized else stored.clone()
             return item
+        except SafetensorError as exc:
+            raise ShardCorrupt(f"shard {self.version_dir / 'shards' / name}: cannot read rows [{start}, {end}) "
+                               f"of sample {self.manifest['sample_key'][index]}: {exc}") from exc
+
+    def tokens(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sample's input_ids and loss_mask alone (no hidden state is read)."""
+        name, start, end = self._shard[index], self._start[index], self._end[index]
+        f = self._handle(name)
+        try:
+            return f.get_slice("input_ids")[start:end].clone(), f.get_slice("loss_mask")[start:end].clone()
         except SafetensorError as exc:
             raise ShardCorrupt(f"shard {self.version_dir / 'shards' / name}: cannot read rows [{start}, {end}) "
                                f"of sample {self.manifest['sample_key'][index]}: {exc}") from exc

@@ -25,3 +25,16 @@ def reference_hidden_states(model, input_ids: Sequence[int], layer_ids: Sequence
     """(aux [T, k*H] = HF hidden_states[i] for i in layer_ids, final [T, H] = last entry, post-norm)."""
     hs = all_hidden_states(model, input_ids)
     return torch.cat([hs[i] for i in layer_ids], dim=-1), hs[-1]
+
+
+@torch.no_grad()
+def final_norm_input(model, input_ids: Sequence[int]) -> torch.Tensor:
+    """[T, H]: the input of ``model.model.norm`` in a direct forward, i.e. the pre-norm final state."""
+    seen = []
+    handle = model.model.norm.register_forward_pre_hook(lambda module, args: seen.append(args[0][0]))
+    try:
+        model(torch.tensor([list(input_ids)]))
+    finally:
+        handle.remove()
+    (state,) = seen
+    return state

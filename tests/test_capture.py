@@ -20,7 +20,8 @@ IDS = list(range(300, 340))
 
 def forward_rows(n: int, seed: int, dtype=torch.bfloat16):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(n, H, generator=g).to(dtype) for _ in range(len(LAYERS))], torch.randn(n, H, generator=g).to(dtype)
+    aux = [torch.randn(n, H, generator=g).to(dtype) for _ in range(len(LAYERS))]
+    return aux, torch.randn(n, H, generator=g).to(dtype), torch.randn(n, H, generator=g).to(dtype)
 
 
 def next_forward_overwrites(target: int, rows: slice):
@@ -34,27 +35,29 @@ def next_forward_overwrites(target: int, rows: slice):
 
 def capture_two_requests(writer, transfer=None):
     """One forward with two requests, of 40 and 25 rows."""
-    aux, final = forward_rows(65, seed=1)
+    aux, final, prenorm = forward_rows(65, seed=1)
     ids = torch.tensor(IDS + IDS[:25])
     pieces = [PieceRows("eagle3-a", 0, 0, 40, 40, prompt_hash(IDS)),
               PieceRows("eagle3-b", 0, 40, 65, 25, prompt_hash(IDS[:25]))]
     kwargs = {} if transfer is None else {"transfer": transfer}
-    assert capture_pieces(writer, pieces, ids, aux, final, **kwargs) == ["eagle3-a", "eagle3-b"]
-    return aux, final
+    assert capture_pieces(writer, pieces, ids, aux, final, prenorm, **kwargs) == ["eagle3-a", "eagle3-b"]
+    return aux, final, prenorm
 
 
 def test_pieces_of_one_forward_read_back_exactly(tmp_path):
     writer = make_writer(tmp_path)
-    aux, final = capture_two_requests(writer)
+    aux, final, prenorm = capture_two_requests(writer)
     writer.close()
     dump = DumpReader(tmp_path).assemble("eagle3-a", IDS)
     assert torch.equal(dump.aux_hidden_states, torch.cat([a[:40] for a in aux], dim=-1))
     assert torch.equal(dump.final_hidden_states, final[:40])
+    assert torch.equal(dump.prenorm_hidden_states, prenorm[:40])
 
 
 @pytest.mark.parametrize("target,rows,what", [
     (1, slice(3, 4), "aux tap 2, aux tap 4, aux tap 5"),  # one row of the first request's three taps
     (2, slice(45, 65), "final state"),  # the second request's final rows
+    (3, slice(0, 1), "pre-norm final state"),  # the first request's first pre-norm row
     (0, slice(10, 11), "token ids"),    # a later batch's ids in the static input buffer
 ])
 def test_a_copy_that_raced_the_next_forward_is_rejected(tmp_path, target, rows, what):
@@ -76,21 +79,22 @@ def test_a_damaged_file_is_rejected(tmp_path):
     reader = DumpReader(tmp_path)
     path = reader.piece_paths("eagle3-a")[0]
     data = bytearray(path.read_bytes())
-    data[-7] ^= 0x01  # one bit of the last final-state value
+    data[-7] ^= 0x01  # one bit of the last pre-norm final-state value (the file's last tensor)
     path.write_bytes(bytes(data))
-    with pytest.raises(DumpCorrupt, match="final state"):
+    with pytest.raises(DumpCorrupt, match=r"\(pre-norm final state\)"):
         reader.assemble("eagle3-a", IDS)
 
 
 def test_checksum_sees_swapped_rows_and_agrees_across_summation_orders():
-    aux, final = forward_rows(40, seed=3)
+    aux, final, prenorm = forward_rows(40, seed=3)
     ids, packed = torch.tensor(IDS), torch.cat(aux, dim=-1)
-    base = piece_checksum(ids, packed, final, len(LAYERS))
+    base = piece_checksum(ids, packed, final, prenorm, len(LAYERS))
     swapped = packed.clone()
     swapped[[4, 9]] = packed[[9, 4]]
-    assert piece_checksum(ids, swapped, final, len(LAYERS)) != base
+    assert piece_checksum(ids, swapped, final, prenorm, len(LAYERS)) != base
+    assert piece_checksum(ids, packed, prenorm, final, len(LAYERS)) != base, "the two final states swapped"
     # integer sums wrap modulo 2**64: any order of summation (a GPU's tree, a CPU's loop) gives the same
-    rows = row_checksums(ids, packed, final, len(LAYERS))
+    rows = row_checksums(ids, packed, final, prenorm, len(LAYERS))
     weights = torch.arange(1, 41).unsqueeze(1)
     by_hand = [sum(int(v) for v in rows[:, c]) for c in range(rows.shape[1])]
     by_hand += [sum(int(v) * int(w) for v, w in zip(rows[:, c], weights[:, 0])) for c in range(rows.shape[1])]
@@ -131,7 +135,7 @@ def test_the_readers_fast_path_gives_the_gpus_integers(dtype):
     """The GPU computes row sums with torch; the CPU reader through numpy: the same integers."""
     from patches.dumps import _int_row_sums, all_finite
 
-    aux, final = forward_rows(50, seed=4, dtype=dtype)
+    aux, _, _ = forward_rows(50, seed=4, dtype=dtype)
     packed = torch.cat(aux, dim=-1).reshape(50, len(LAYERS), H)
     bits = packed.view({2: torch.int16, 4: torch.int32}[packed.element_size()])
     assert torch.equal(_int_row_sums(bits), bits.sum(dim=-1, dtype=torch.int64))  # torch: the GPU's path

@@ -12,9 +12,10 @@ from patches.dumps import DumpDuplicate, DumpForeign, DumpIncomplete, DumpMissin
 from tests.dump_support import LAYERS, H, make_writer, submit
 
 
-def write_chunks(writer, rid, ids, bounds, aux, final):
+def write_chunks(writer, rid, ids, bounds, aux, final, prenorm=None):
     for start, end in bounds:
-        assert submit(writer, rid, ids, start, end, aux=aux[start:end], final=final[start:end])
+        assert submit(writer, rid, ids, start, end, aux=aux[start:end], final=final[start:end],
+                      prenorm=None if prenorm is None else prenorm[start:end])
 
 
 @pytest.fixture
@@ -26,13 +27,15 @@ def tensors():
 
 def test_chunked_pieces_assemble_to_the_whole_prompt(tmp_path, tensors):
     ids, aux, final = tensors
+    prenorm = final * 3 + 1
     writer = make_writer(tmp_path)
-    write_chunks(writer, "eagle3-a", ids, [(0, 10), (10, 30), (30, 37)], aux, final)
+    write_chunks(writer, "eagle3-a", ids, [(0, 10), (10, 30), (30, 37)], aux, final, prenorm)
     reader = DumpReader(tmp_path)
     dump = reader.assemble("eagle3-a", ids, reader.wait("eagle3-a", len(ids), timeout=10))
     writer.close()
     assert torch.equal(dump.aux_hidden_states, aux) and torch.equal(dump.final_hidden_states, final)
-    assert dump.layer_ids == list(LAYERS) and dump.final_norm == "post_norm"
+    assert torch.equal(dump.prenorm_hidden_states, prenorm)
+    assert dump.layer_ids == list(LAYERS) and dump.final_states == "post_norm+pre_norm"
     assert reader.delete("eagle3-a") == 3 and reader.piece_paths("eagle3-a") == []
 
 

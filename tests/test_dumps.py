@@ -36,7 +36,8 @@ KILLED_WRITER = textwrap.dedent("""
     for i in range(1000):
         ids = torch.arange(T) + i
         piece = PieceRows(f"eagle3-kill-{i}", 0, 0, T, T, prompt_hash(ids.tolist()))
-        capture_pieces(writer, [piece], ids, [torch.full((T, H), float(i))] * 3, torch.full((T, H), float(i)))
+        capture_pieces(writer, [piece], ids, [torch.full((T, H), float(i))] * 3, torch.full((T, H), float(i)),
+                       torch.full((T, H), float(i)))
     writer.close()
 """)
 

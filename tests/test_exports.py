@@ -5,9 +5,10 @@ under build/trainer-readers/; the fixture downloads them when missing. SpecForge
 reader modules import with nothing but torch, so they are imported as a package. ModelOpt's
 package __init__ pulls in omegaconf and much more, so its two modules that the offline
 dataset needs (eagle/utils.py and utils/loss_mask.py, which import only torch and
-transformers) are loaded from their files. speculators cannot take our data at all (see
-tasks.exports.speculators); its released trainer source is checked for the fact that decision
-rests on, and its vocabulary-mapping function checks ours.
+transformers) are loaded from their files. speculators' ArrowDataset (with hs_connectors'
+FileTransfer, a separate wheel) runs in a child process: importing speculators registers its
+model classes with transformers, which the other tests' processes should not see; its
+vocabulary-mapping function checks ours.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from tasks.consolidation import consolidate
-from tasks.exports import EXPORT_INDEX_NAME, ExportUnsupported, check_exports
+from tasks.exports import EXPORT_INDEX_NAME
 from tasks.shards import write_shard
 from tasks.training_set import TrainingSetDataset, read_dataset_json, sample_bytes
 from tasks.vocab_mapping import TOKEN_FREQ_NAME, VOCAB_MAPPING_NAME
@@ -37,6 +39,7 @@ READERS = REPO / "build" / "trainer-readers"
 SPECFORGE = "specforge==0.2.0"
 MODELOPT = "nvidia-modelopt==0.47.0"
 SPECULATORS = "speculators==0.9.0"
+HS_CONNECTORS = "hs-connectors==0.9.0"  # speculators' hidden-state file reader (FileTransfer)
 
 
 def released(requirement: str) -> Path:
@@ -191,18 +194,76 @@ def test_modelopt_offline_dataset_loads_the_export(version_dir, modelopt_dataset
     assert (again.written, again.unchanged) == (0, 3)
 
 
-def test_speculators_export_is_refused_before_anything_is_written(version_dir):
-    source = released(SPECULATORS) / "speculators" / "models" / "eagle3" / "core.py"
-    # The premise of the refusal: speculators' EAGLE-3 trainer applies the final norm itself.
-    assert "self.verifier_norm(verifier_last_hidden_states)" in source.read_text()
-    with pytest.raises(ExportUnsupported, match="speculators.*BEFORE the model's final norm"):
-        check_exports(["speculators"], make_info())
-    with pytest.raises(ExportUnsupported):
-        consolidate(version_dir, make_info(), exports=["specforge", "speculators"])
-    assert not (version_dir / "manifest.parquet").exists() and not (version_dir / "exports").exists()
+_SPECULATORS_CHILD = textwrap.dedent("""
+    import sys, torch
+    sys.path[:0] = sys.argv[3:]
+    from speculators.train.data import ArrowDataset
+    # on_missing="raise": a missing hs file must fail, not ask a vLLM server for the states
+    dataset = ArrowDataset(max_len=1 << 20, datapath=sys.argv[1], on_missing="raise")
+    torch.save({"items": [dataset[i] for i in range(len(dataset))], "lengths": dataset.approx_lengths}, sys.argv[2])
+""")
 
 
-@pytest.mark.parametrize("name", ["specforge", "modelopt"])
+def read_with_speculators(export_dir: Path, tmp_path: Path) -> tuple[list[dict], list[int]]:
+    """speculators' ArrowDataset over ``export_dir`` (its --data-path): each row's item, and the rows' lengths."""
+    out = tmp_path / "speculators-items.pt"
+    child = subprocess.run([sys.executable, "-c", _SPECULATORS_CHILD, str(export_dir), str(out),
+                            str(released(SPECULATORS)), str(released(HS_CONNECTORS))],
+                           capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stderr[-3000:]
+    read = torch.load(out, weights_only=True)
+    return read["items"], read["lengths"]
+
+
+def speculators_rows(version_dir: Path) -> list[str]:
+    """Sample keys in the order of the speculators export's rows (its files' numbers)."""
+    entries = export_index(version_dir, "speculators")["samples"]
+    live = sorted((e["idx"], k) for k, e in entries.items() if e["content_hash"])
+    assert [idx for idx, _ in live] == list(range(len(live))), "row i must be hs_i"
+    return [k for _, k in live]
+
+
+def test_speculators_reader_loads_the_export_unchanged(version_dir, tmp_path):
+    # speculators' EAGLE-3 trainer applies the final norm itself: it must get the state before it.
+    core = released(SPECULATORS) / "speculators" / "models" / "eagle3" / "core.py"
+    assert "self.verifier_norm(verifier_last_hidden_states)" in core.read_text()
+    summary = consolidate(version_dir, make_info(), exports=["speculators"], draft_vocab_size=64)
+    assert summary.exports["speculators"].written == 3
+    export_dir = version_dir / "exports" / "speculators"
+
+    def check() -> None:
+        items, lengths = read_with_speculators(export_dir, tmp_path)
+        dataset = TrainingSetDataset(version_dir)
+        position = {k: i for i, k in enumerate(dataset.manifest["sample_key"].to_list())}
+        keys = speculators_rows(version_dir)
+        assert sorted(keys) == sorted(position) and len(items) == len(keys)
+        for got, key in zip(items, keys):
+            want = dataset[position[key]]
+            assert got["hidden_states"].dtype == torch.bfloat16
+            assert torch.equal(got["hidden_states"], want["aux_hidden_states"])
+            assert torch.equal(got["verifier_last_hidden_states"], want["prenorm_hidden_states"])
+            assert not torch.equal(got["verifier_last_hidden_states"], want["hidden_states"])
+            assert torch.equal(got["input_ids"], want["input_ids"])
+            assert torch.equal(got["loss_mask"], want["loss_mask"])
+        assert lengths == [int(dataset[position[k]]["input_ids"].numel()) for k in keys]
+        assert torch.load(export_dir / TOKEN_FREQ_NAME, weights_only=True) == \
+            torch.load(version_dir / TOKEN_FREQ_NAME, weights_only=True)
+
+    check()
+    again = consolidate(version_dir, make_info(), exports=["speculators"]).exports["speculators"]
+    assert (again.written, again.unchanged) == (0, 3)
+
+    # A sample leaves and one arrives: the reader pairs row i with hs_i, so the numbers close up.
+    write_shard(shard_path(version_dir, "shard-3"), [make_sample("k-0", 4, 4)])
+    consolidate(version_dir, make_info(), keep_keys={"k-0", "k-b", "k-c"}, exports=["speculators"])
+    assert sorted(p.name for p in (export_dir / "hidden_states").iterdir()) == [
+        "hs_0.safetensors", "hs_1.safetensors", "hs_2.safetensors"]
+    check()
+    consolidate(version_dir, make_info(), exports=["speculators"])  # and k-a comes back
+    check()
+
+
+@pytest.mark.parametrize("name", ["specforge", "modelopt", "speculators"])
 def test_each_export_file_holds_only_its_sample(tmp_path, name):
     # Shards of several samples: a file saved from a view of its shard would carry the whole shard.
     samples = [make_sample(f"k{i}", n, i, hidden=256) for i, n in enumerate([139, 300, 57, 200])]
@@ -214,8 +275,10 @@ def test_each_export_file_holds_only_its_sample(tmp_path, name):
     assert sorted(files) == ["k0", "k1", "k2", "k3"]
     for sample in samples:
         path = files[sample.sample_key]
-        own = sample_bytes(sample.input_ids.numel(), info)  # ids, mask, aux and final states of this sample
-        raw = torch.load(path, weights_only=True)
+        # ids and mask (speculators: ids only, the mask is in its row table), aux and one final state
+        n = sample.input_ids.numel()
+        own = sample_bytes(n, info) - n * 256 * 2 - (n * 8 if name == "speculators" else 0)
+        raw = load_file(path) if name == "speculators" else torch.load(path, weights_only=True)
         assert sum(t.numel() * t.element_size() for t in raw.values() if isinstance(t, torch.Tensor)) == own
         assert own <= path.stat().st_size <= own * 1.03, (sample.sample_key, path.stat().st_size, own)
 
@@ -290,9 +353,6 @@ def test_exports_on_demand_from_the_shards(version_dir, specforge):
     assert json.loads(run.stdout)[0]["written"] == 3
     assert read_dataset_json(version_dir)["exports"] == ["specforge"]
     assert len(read_with_specforge(specforge, version_dir / "exports" / "specforge")) == 3
-    refused = subprocess.run([sys.executable, "-m", "tasks.exports", str(version_dir), "speculators"], cwd=REPO,
-                             capture_output=True, text=True, timeout=120)
-    assert refused.returncode == 1 and "ExportUnsupported" in refused.stderr
 
 
 def released_function(requirement: str, module_path: str, name: str):
@@ -305,7 +365,7 @@ def released_function(requirement: str, module_path: str, name: str):
 
 
 def test_vocab_mapping_against_an_independent_count_and_the_trainers_code(tmp_path, specforge):
-    # speculators' train/vocab_mapping.py imports HF datasets (not installed): its function alone.
+    # speculators' train/vocab_mapping.py imports the whole speculators package: its function alone.
     speculators_mapping = released_function(SPECULATORS, "speculators/train/vocab_mapping.py",
                                             "build_vocab_mappings_from_distribution")
     sys.path.insert(0, str(released(SPECFORGE)))

@@ -22,9 +22,9 @@ from transformers import AutoTokenizer
 
 from flows.extract import REPO, ExtractParameters, ServerOptions, extract
 from infra.server import free_port
-from tasks.exports import ExportUnsupported
 from tasks.training_set import TrainingSetDataset
-from tests.ground_truth import load_reference_model, reference_hidden_states
+from tests.ground_truth import final_norm_input, load_reference_model, reference_hidden_states
+from tests.test_exports import read_with_speculators, speculators_rows
 
 
 def write_jsonl(path: Path, rows: list) -> Path:
@@ -70,15 +70,6 @@ def test_rerun_writes_nothing_new_and_new_layers_make_a_new_version(prefect_api,
     assert recorded == {"date": "2024-07-26", "enable_thinking": True, "chat_template_kwargs": {}}
     dated = extract(ExtractParameters(**{**base, "prompts": str(grown)}, template_date="2025-01-01"))
     assert dated["version"] not in (first["version"], other["version"]) and dated["written_this_run"] == 13
-
-
-def test_an_export_that_cannot_be_made_fails_before_the_server_starts(prefect_api, tiny_model_dir, tmp_path):
-    prompts = write_jsonl(tmp_path / "prompts.jsonl", conversations(2))
-    out = tmp_path / "out"
-    with pytest.raises(ExportUnsupported, match="speculators"):
-        extract(ExtractParameters(prompts=str(prompts), model_path=str(tiny_model_dir), out=str(out),
-                                  exports=["specforge", "speculators"]))
-    assert not (out / "dumps").exists() and not list(out.glob("versions/*/runs/*-server.log"))
 
 
 def independent_loss_mask(tokenizer, messages: list[dict], input_ids: list[int]) -> list[int]:
@@ -154,7 +145,7 @@ def test_flow_writes_verified_samples_under_awkward_server(prefect_api, tiny_mod
     foreign_traffic["port"] = port
     params = ExtractParameters(
         prompts=str(prompts), model_path=str(tiny_model_dir), out=str(tmp_path / "out"), batch_size=12,
-        max_in_flight=8, concurrent_batches=2, exports=["specforge"],
+        max_in_flight=8, concurrent_batches=2, exports=["specforge", "speculators"],
         server=ServerOptions(chunked_prefill_size=24, port=port, extra_args=["--dump-every-forward"]))
     summary = extract(params)
     assert foreign_traffic["served"] >= 3, "the other client's requests never reached the server"
@@ -180,7 +171,17 @@ def test_flow_writes_verified_samples_under_awkward_server(prefect_api, tiny_mod
         aux, final = reference_hidden_states(model, ids, layer_ids)
         assert (sample["aux_hidden_states"] - aux).abs().max() <= 1e-4, source_id
         assert (sample["hidden_states"] - final).abs().max() <= 1e-4, source_id
+        assert (sample["prenorm_hidden_states"] - final_norm_input(model, ids)).abs().max() <= 1e-4, source_id
         assert sample["loss_mask"].tolist() == independent_loss_mask(tokenizer, by_id[source_id]["messages"], ids)
+
+    # speculators' released reader gets the PRE-norm final state of a direct forward (its trainer norms it)
+    items, _ = read_with_speculators(vdir / "exports" / "speculators", tmp_path)
+    for got, key in zip(items, speculators_rows(vdir)):
+        ids = got["input_ids"].tolist()
+        assert ids == dataset[manifest["sample_key"].to_list().index(key)]["input_ids"].tolist()
+        aux, _ = reference_hidden_states(model, ids, layer_ids)
+        assert (got["hidden_states"] - aux).abs().max() <= 1e-4, key
+        assert (got["verifier_last_hidden_states"] - final_norm_input(model, ids)).abs().max() <= 1e-4, key
 
 
 def start_flow_process(prompts: Path, model_dir: Path, out: Path, log_path: Path, shards: int) -> subprocess.Popen:
@@ -312,7 +313,9 @@ def test_float8_store_and_draft_vocabulary_from_the_command_line(prefect_api, ti
     for i in range(len(dataset)):
         sample = dataset[i]
         aux, final = reference_hidden_states(model, sample["input_ids"].tolist(), data["layer_ids"])
-        for got, want in ((sample["aux_hidden_states"], aux), (sample["hidden_states"], final)):
+        prenorm = final_norm_input(model, sample["input_ids"].tolist())
+        for got, want in ((sample["aux_hidden_states"], aux), (sample["hidden_states"], final),
+                          (sample["prenorm_hidden_states"], prenorm)):
             got, want = got.float().reshape(-1, data["hidden_size"]), want.float().reshape(-1, data["hidden_size"])
             assert float(((got - want).norm(dim=-1) / want.norm(dim=-1)).max()) < 0.07  # float8: 3 mantissa bits
 

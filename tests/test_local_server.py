@@ -14,7 +14,7 @@ import torch
 
 from infra.local_server import PrefixCache, Request, plan_step
 from patches.dumps import DumpIncomplete, DumpReader, DumpWriteFailed, default_aux_layer_ids
-from tests.ground_truth import load_reference_model, reference_hidden_states
+from tests.ground_truth import final_norm_input, load_reference_model, reference_hidden_states
 
 CONTEXT_LENGTH = 512
 TOL = 1e-4
@@ -71,6 +71,7 @@ def assert_dump_matches_model(server, model, rid: str, ids: list[int], instance:
     aux, final = reference_hidden_states(model, ids, dump.layer_ids)
     assert (dump.aux_hidden_states - aux).abs().max() <= TOL, rid
     assert (dump.final_hidden_states - final).abs().max() <= TOL, rid
+    assert (dump.prenorm_hidden_states - final_norm_input(model, ids)).abs().max() <= TOL, rid
     return sum(1 for p in infos if p.forward_mode == "extend")
 
 
@@ -296,7 +297,8 @@ def test_cuda_server_dumps_match_the_cpu_reference(start_local_server, tiny_mode
             dump = reader.assemble(rid, ids, reader.wait(rid, len(ids), timeout=30))
             assert dump.dtype == dtype
             aux, final = reference_hidden_states(model, ids, dump.layer_ids)
-            for got, want in ((dump.aux_hidden_states.float(), aux), (dump.final_hidden_states.float(), final)):
+            for got, want in ((dump.aux_hidden_states.float(), aux), (dump.final_hidden_states.float(), final),
+                              (dump.prenorm_hidden_states.float(), final_norm_input(model, ids))):
                 if dtype == "float32":
                     assert (got - want).abs().max() <= TOL, rid
                 else:  # bfloat16 keeps ~3 significant digits; rounding compounds over 8 layers

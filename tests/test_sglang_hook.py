@@ -17,6 +17,7 @@ from patches import launch
 from patches.dumps import DumpReader, DumpSettings, DumpWriteFailed, DumpWriter, default_aux_layer_ids, prompt_hash
 from patches.sglang_hook import HookConfig, PromptInfo, dump_extend_batch, forward_hook_specs
 from patches.sglang_releases import SUPPORTED_RELEASES, UnsupportedSGLangRelease, release
+from tests.ground_truth import final_norm_input
 
 PROMPTS = {
     "eagle3-long": list(range(5, 31)),      # 26 tokens, prefilled in three chunks
@@ -27,14 +28,15 @@ PROMPTS = {
 
 @pytest.fixture(scope="module")
 def truth(tiny_model_dir):
-    """rid -> (aux [T, 3H], final [T, H]) from the model's own forward (HF hidden_states convention)."""
+    """rid -> (aux [T, 3H], final [T, H], pre-norm final [T, H]) from the model's own forward (HF
+    hidden_states convention; the pre-norm state is the input of model.model.norm)."""
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     layer_ids = default_aux_layer_ids(model.config.num_hidden_layers)
     out = {}
     with torch.no_grad():
         for rid, ids in PROMPTS.items():
             hs = model(torch.tensor([ids]), output_hidden_states=True).hidden_states
-            out[rid] = (torch.cat([hs[i][0] for i in layer_ids], -1), hs[-1][0])
+            out[rid] = (torch.cat([hs[i][0] for i in layer_ids], -1), hs[-1][0], final_norm_input(model, ids))
     return layer_ids, out
 
 
@@ -45,21 +47,24 @@ def _writer(tmp_path, layer_ids, **kw):
 def _run_batch(writer, truth, batch, padding=0, mode="EXTEND", packed=False, **overrides):
     """Lay out ``batch`` [(rid, prefix, n)] like SGLang and pass it through the hook's tensor logic."""
     layer_ids, states = truth
-    ids, aux, final, prompts = [], [], [], []
+    ids, aux, final, prenorm, prompts = [], [], [], [], []
     for rid, prefix, n in batch:
         full = PROMPTS[rid]
-        a, f = states[rid]
+        a, f, p = states[rid]
         if prefix >= len(full):  # a decode step: one row past the prompt (its values do not matter)
-            ids.append(torch.tensor([99])), aux.append(torch.full((1, a.shape[1]), 7.0)), final.append(torch.full((1, f.shape[1]), 7.0))
+            ids.append(torch.tensor([99])), aux.append(torch.full((1, a.shape[1]), 7.0))
+            final.append(torch.full((1, f.shape[1]), 7.0)), prenorm.append(torch.full((1, f.shape[1]), 7.0))
         else:
-            ids.append(torch.tensor(full[prefix:prefix + n])), aux.append(a[prefix:prefix + n]), final.append(f[prefix:prefix + n])
+            ids.append(torch.tensor(full[prefix:prefix + n])), aux.append(a[prefix:prefix + n])
+            final.append(f[prefix:prefix + n]), prenorm.append(p[prefix:prefix + n])
         prompts.append(PromptInfo(len(full), prompt_hash(full)) if writer.wants(rid) else None)
     h = final[0].shape[1]
-    ids.append(torch.zeros(padding, dtype=torch.int64)), aux.append(torch.zeros(padding, 3 * h)), final.append(torch.zeros(padding, h))
+    ids.append(torch.zeros(padding, dtype=torch.int64)), aux.append(torch.zeros(padding, 3 * h))
+    final.append(torch.zeros(padding, h)), prenorm.append(torch.zeros(padding, h))
     aux_flat = torch.cat(aux)
     args = dict(rids=[r for r, _, _ in batch], prompts=prompts, extend_seq_lens=[n for _, _, n in batch],
                 extend_prefix_lens=[p for _, p, _ in batch], forward_mode=mode, input_ids=torch.cat(ids),
-                final_hidden_states=torch.cat(final),
+                final_hidden_states=torch.cat(final), prenorm_hidden_states=torch.cat(prenorm),
                 aux_hidden_states=aux_flat if packed else list(aux_flat.split(h, -1)), num_aux_layers=len(layer_ids))
     args.update(overrides)
     return dump_extend_batch(writer, **args)
@@ -79,9 +84,11 @@ def test_chunked_mixed_padded_batches_assemble_to_the_models_hidden_states(tmp_p
     reader = DumpReader(tmp_path)
     for rid in ("eagle3-long", "eagle3-short"):
         dump = reader.assemble(rid, PROMPTS[rid])
-        aux, final = truth[1][rid]
+        aux, final, prenorm = truth[1][rid]
         torch.testing.assert_close(dump.aux_hidden_states, aux, rtol=0, atol=0)
         torch.testing.assert_close(dump.final_hidden_states, final, rtol=0, atol=0)
+        torch.testing.assert_close(dump.prenorm_hidden_states, prenorm, rtol=0, atol=0)
+        assert not torch.equal(prenorm, final), "the tiny model's final norm changes the state"
         assert dump.layer_ids == truth[0]
     assert [p.chunk_start for p in reader.pieces("eagle3-long")] == [0, 10, 22]
     assert reader.piece_paths("warmup-uuid") == [], "the warmup's rid has no dump prefix"
@@ -106,6 +113,15 @@ def test_a_batch_that_does_not_add_up_leaves_error_markers_and_serving_goes_on(t
         reader.wait("eagle3-short", 7, timeout=1)
     with pytest.raises(DumpWriteFailed, match="EAGLE-3 capture"):
         reader.wait("eagle3-long", 26, timeout=1)
+
+
+
+def test_a_forward_whose_final_norm_was_not_seen_leaves_error_markers(tmp_path, truth):
+    writer = _writer(tmp_path, truth[0])
+    _run_batch(writer, truth, [("eagle3-short", 0, 7)], prenorm_hidden_states=None)
+    writer.close()
+    with pytest.raises(DumpWriteFailed, match="no pre-norm final state"):
+        DumpReader(tmp_path).wait("eagle3-short", 7, timeout=1)
 
 
 def test_a_full_writer_budget_leaves_an_error_marker(tmp_path, truth):
@@ -136,7 +152,7 @@ def test_launch_on_0_5_23_uses_sglangs_capture_and_disables_the_prefill_graph(tm
     assert argv[i + 1:i + 3] == ["2", "9"], "SGLang id k captures HF hidden_states[k+1]"
     assert argv[argv.index("--speculative-algorithm") + 1] == "EAGLE3" and "--enable-return-aux-hidden-states" in argv
     hooks = _hooks(plan)
-    assert [h["target_modules"] for h in hooks] == [["logits_processor"]]
+    assert [h["target_modules"] for h in hooks] == [["logits_processor"], ["model.norm"]]
     assert HookConfig.from_json(hooks[0]["config"]) == plan.hook_config
     assert plan.hook_config.dump.layer_ids == (3, 10) and plan.hook_config.dump.dump_dir == tmp_path.resolve()
     assert any("chunked-prefill-size 4096 is fine" in n for n in plan.notes)
@@ -146,9 +162,9 @@ def test_launch_on_0_5_17_hooks_the_layers_before_each_tap(tmp_path):
     plan = _plan("0.5.17", tmp_path, [])
     assert "--enable-return-aux-hidden-states" not in plan.argv
     hooks = _hooks(plan)
-    assert [h["target_modules"] for h in hooks] == [["logits_processor"], ["model.layers.1"], ["model.layers.15"],
-                                                     ["model.layers.28"]]
-    assert [h["config"].get("layer_id") for h in hooks[1:]] == [2, 16, 29]
+    assert [h["target_modules"] for h in hooks] == [["logits_processor"], ["model.norm"], ["model.layers.1"],
+                                                     ["model.layers.15"], ["model.layers.28"]]
+    assert [h["config"].get("layer_id") for h in hooks[2:]] == [2, 16, 29]
     assert forward_hook_specs(plan.hook_config) == hooks
 
 
@@ -203,13 +219,19 @@ def test_the_launcher_reads_the_local_models_config(tmp_path, tiny_model_dir):
     assert plan.hook_config.dump.layer_ids == tuple(default_aux_layer_ids(8))
 
 
-def test_the_in_server_hooks_dump_through_a_runners_copy_of_the_forward_batch(tmp_path, truth, monkeypatch):
-    """The factories' path, from ForwardBatch.init_new to the logits hook, on 0.5.17's layer hooks.
+@pytest.mark.parametrize("aux_capture, norm_output_reaches_logits", [
+    ("layer_hooks", True), ("builtin", True), ("builtin", False)])
+def test_the_in_server_hooks_dump_through_a_runners_copy_of_the_forward_batch(tmp_path, truth, monkeypatch,
+                                                                              aux_capture, norm_output_reaches_logits):
+    """The factories' path, from ForwardBatch.init_new through the final-norm hook to the logits hook,
+    on 0.5.17's layer hooks and on 0.5.23's builtin aux capture.
 
     SGLang cannot be imported here (its kernels need CUDA), so its two modules the hook
     touches are stood in for: a ForwardBatch dataclass and the attention-TP rank. The
     runner's copy is what 0.5.17's EagerRunner.load_batch does (``dataclasses.replace``):
-    only dataclass fields survive it, which is how the live H200 run lost every dump.
+    only dataclass fields survive it, which is how the live H200 run lost every dump. The final
+    norm returns (normed, pre-norm sum) as SGLang's RMSNorm does; when its output is not the tensor
+    the logits processor gets, the pre-norm state cannot be paired and the rids get error markers.
     """
     import dataclasses
     import enum
@@ -238,10 +260,13 @@ def test_the_in_server_hooks_dump_through_a_runners_copy_of_the_forward_batch(tm
     monkeypatch.setattr(sglang_hook, "_state", None)
 
     layer_ids, states = truth
-    config = HookConfig(DumpSettings(tmp_path, "eagle3-", "tiny", tuple(layer_ids)), aux_capture="layer_hooks")
-    specs = forward_hook_specs(config)
-    logits_hook = sglang_hook.make_logits_hook(specs[0]["config"])
-    layer_hooks = {s["config"]["layer_id"]: sglang_hook.make_aux_layer_hook(s["config"]) for s in specs[1:]}
+    config = HookConfig(DumpSettings(tmp_path, "eagle3-", "tiny", tuple(layer_ids)), aux_capture=aux_capture)
+    specs = {s["hook_factory"].split(":")[1]: s for s in forward_hook_specs(config)}
+    logits_hook = sglang_hook.make_logits_hook(specs["make_logits_hook"]["config"])
+    norm_hook = sglang_hook.make_final_norm_hook(specs["make_final_norm_hook"]["config"])
+    layer_hooks = {s["config"]["layer_id"]: sglang_hook.make_aux_layer_hook(s["config"])
+                   for s in forward_hook_specs(config) if s["hook_factory"] == sglang_hook.LAYER_HOOK_FACTORY}
+    assert bool(layer_hooks) == (aux_capture == "layer_hooks")
 
     # One chunk of each prompt, "eagle3-short" whole and the first 10 tokens of "eagle3-long".
     rows = [("eagle3-short", 0, 7), ("eagle3-long", 0, 10)]
@@ -250,20 +275,29 @@ def test_the_in_server_hooks_dump_through_a_runners_copy_of_the_forward_batch(tm
                                            prefix_lens=[p for _, p, _ in rows])
     copy = dataclasses.replace(ForwardBatch.init_new(schedule_batch, model_runner=None))
 
-    aux, final = (torch.cat([states[rid][k][p:p + n] for rid, p, n in rows]) for k in (0, 1))
+    aux, final, prenorm = (torch.cat([states[rid][k][p:p + n] for rid, p, n in rows]) for k in (0, 1, 2))
     h = final.shape[1]
-    for j, layer_id in enumerate(layer_ids):
+    for j, layer_id in enumerate(layer_hooks):
         tap = aux[:, j * h:(j + 1) * h]
         # The layer before the tap returns (hidden_states, residual); their sum is the tap.
         layer_hooks[layer_id](None, (None, None, copy, None), (tap - 1.0, torch.ones_like(tap)))
+    # model.norm(hidden_states, residual) -> (normed, hidden_states + residual)
+    norm_hook(None, (prenorm - 1.0, torch.ones_like(prenorm)), (final if norm_output_reaches_logits else final.clone(),
+                                                               prenorm))
     ids = torch.tensor([t for rid, p, n in rows for t in PROMPTS[rid][p:p + n]])
-    logits_hook(None, (ids, final, None, copy, None), None)
+    builtin_aux = list(aux.split(h, dim=-1)) if aux_capture == "builtin" else None
+    logits_hook(None, (ids, final, None, copy, builtin_aux), None)
     sglang_hook._state.writer.close()
 
     reader = DumpReader(tmp_path)
+    if not norm_output_reaches_logits:
+        with pytest.raises(DumpWriteFailed, match=r"no pre-norm final state.*model\.norm"):
+            reader.wait("eagle3-short", len(PROMPTS["eagle3-short"]), timeout=1)
+        return
     dump = reader.assemble("eagle3-short", PROMPTS["eagle3-short"])
     assert torch.allclose(dump.aux_hidden_states, states["eagle3-short"][0], atol=1e-5)
     assert torch.equal(dump.final_hidden_states, states["eagle3-short"][1])
+    assert torch.equal(dump.prenorm_hidden_states, states["eagle3-short"][2])
     (piece,) = reader.pieces("eagle3-long")
     assert (piece.chunk_start, piece.chunk_len, piece.prompt_len) == (0, 10, len(PROMPTS["eagle3-long"]))
     assert not list(tmp_path.glob("*.error.json"))

@@ -35,12 +35,13 @@ def make_sample(key: str, tokens: int, seed: int, dtype: torch.dtype = torch.bfl
     return TrainingSample(sample_key=key, source_id=f"conv-{key}",
                           input_ids=torch.randint(0, VOCAB, (tokens,), generator=g), loss_mask=mask,
                           aux_hidden_states=torch.randn(tokens, len(LAYERS) * hidden, generator=g).to(dtype),
-                          final_hidden_states=torch.randn(tokens, hidden, generator=g).to(dtype))
+                          final_hidden_states=torch.randn(tokens, hidden, generator=g).to(dtype),
+                          prenorm_hidden_states=torch.randn(tokens, hidden, generator=g).to(dtype))
 
 
 def make_info(dtype: str = "bfloat16", hidden: int = HIDDEN, store_dtype: str | None = None) -> DatasetInfo:
     return DatasetInfo(model="synthetic", layer_ids=LAYERS, layer_convention="hf_hidden_states_index",
-                       final_norm="post_norm", dtype=dtype, store_dtype=store_dtype or dtype, hidden_size=hidden,
+                       final_states="post_norm+pre_norm", dtype=dtype, store_dtype=store_dtype or dtype, hidden_size=hidden,
                        num_layers=8, vocab_size=VOCAB,
                        template_hash="t" * 16, max_length=64, project_version="0.1.0", fingerprint="f" * 16)
 
@@ -61,6 +62,7 @@ def test_shard_round_trip_through_plain_safetensors_and_the_index(tmp_path):
     assert tensors["offsets"].tolist() == [0, 5, 8, 17]
     assert torch.equal(tensors["aux_hidden_states"][5:8], samples[1].aux_hidden_states)
     assert torch.equal(tensors["final_hidden_states"][8:17], samples[2].final_hidden_states)
+    assert torch.equal(tensors["prenorm_hidden_states"][:5], samples[0].prenorm_hidden_states)
     assert torch.equal(tensors["loss_mask"][:5], samples[0].loss_mask)
 
     index = read_shard_index(summary.path)
@@ -69,7 +71,7 @@ def test_shard_round_trip_through_plain_safetensors_and_the_index(tmp_path):
     for row, s in zip(index, samples):
         assert row["num_supervised"] == int(s.loss_mask.sum())
         assert row["content_hash"] == content_hash(s.input_ids, s.loss_mask, s.aux_hidden_states,
-                                                   s.final_hidden_states)
+                                                   s.final_hidden_states, s.prenorm_hidden_states)
         assert row["shard"] == "s0.safetensors"
 
 
@@ -150,10 +152,10 @@ def test_consolidate_keeps_wanted_samples_once_and_counts_them(tmp_path):
     assert (c_row["shard"], c_row["num_tokens"]) == ("shard-1.safetensors", 7)  # first shard by name wins
     assert (summary.samples, summary.tokens, summary.duplicates, summary.left_out, summary.shards) == (3, 16, 1, 1, 2)
     assert summary.supervised_tokens == sum(int(s.loss_mask.sum()) for s in (a, c, d))
-    assert summary.bytes == 16 * (16 + 4 * HIDDEN * 2)
+    assert summary.bytes == 16 * (16 + 5 * HIDDEN * 2)  # ids, mask; 3 aux taps and 2 final states in bf16
 
     dataset = json.loads((tmp_path / "dataset.json").read_text())
-    assert dataset["schema_version"] == 1 and dataset["samples"] == 3 and dataset["tokens"] == 16
+    assert dataset["schema_version"] == 2 and dataset["final_states"] == "post_norm+pre_norm" and dataset["samples"] == 3 and dataset["tokens"] == 16
     assert dataset["shards"] == ["shard-1.safetensors", "shard-2.safetensors"]
     assert read_dataset_info(tmp_path) == make_info()
 
@@ -190,6 +192,7 @@ def test_loader_returns_exactly_the_written_tensors(tmp_path):
             assert item["aux_hidden_states"].dtype == torch.bfloat16
             assert torch.equal(item["aux_hidden_states"], want.aux_hidden_states)
             assert torch.equal(item["hidden_states"], want.final_hidden_states)
+            assert torch.equal(item["prenorm_hidden_states"], want.prenorm_hidden_states)
             for t in item.values():  # its own rows, not a view of the shard (torch.save would write all of it)
                 assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
     with pytest.raises(IndexError):
@@ -207,8 +210,8 @@ def test_float8_storage_is_half_the_bytes_and_reconstructs_each_token(tmp_path):
     bf16 = write_shard(shard_path(tmp_path / "bf16", "s"), samples)
     fp8 = write_shard(shard_path(tmp_path / "fp8", "s"), samples, store_dtype="float8_e4m3fn")
     tokens = 500
-    hidden_bytes = tokens * 4 * 256  # aux and final, one byte per value
-    assert fp8.bytes - bf16.bytes / 2 < 0.01 * hidden_bytes + tokens * 4 * 4  # + float32 scales, 4 per token
+    hidden_bytes = tokens * 5 * 256  # aux and both final states, one byte per value
+    assert fp8.bytes - bf16.bytes / 2 < 0.01 * hidden_bytes + tokens * 5 * 4  # + float32 scales, 5 per token
     assert fp8.bytes < 0.52 * bf16.bytes
 
     with pytest.raises(SchemaMismatch, match="store_dtype"):
@@ -219,8 +222,9 @@ def test_float8_storage_is_half_the_bytes_and_reconstructs_each_token(tmp_path):
     for i, s in enumerate(sorted(samples, key=lambda s: s.sample_key)):
         item = dataset[i]
         assert torch.equal(item["input_ids"], s.input_ids) and torch.equal(item["loss_mask"], s.loss_mask)
-        for got, want in ((item["aux_hidden_states"], s.aux_hidden_states), (item["hidden_states"],
-                                                                               s.final_hidden_states)):
+        for got, want in ((item["aux_hidden_states"], s.aux_hidden_states),
+                          (item["hidden_states"], s.final_hidden_states),
+                          (item["prenorm_hidden_states"], s.prenorm_hidden_states)):
             assert got.dtype == torch.bfloat16 and got.shape == want.shape
             # Independently: e4m3 keeps 3 mantissa bits (relative rounding <= 2^-4), subnormals below
             # scale * 2^-6 round to a multiple of scale * 2^-9, and the bf16 output rounds again (2^-8).

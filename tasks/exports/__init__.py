@@ -1,6 +1,6 @@
 """Trainer exports: a consolidated dataset version rewritten in a trainer's own offline format.
 
-One module per format (specforge, modelopt; speculators explains its refusal); the writer
+One module per format (specforge, modelopt, speculators); the writer
 and the export index are in tasks.exports.writer. ``python -m tasks.exports VERSION_DIR NAME``
 writes or refreshes an export on demand from the native shards.
 """
@@ -8,11 +8,11 @@ writes or refreshes an export on demand from the native shards.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 from tasks.exports.modelopt import MODELOPT
 from tasks.exports.specforge import SPECFORGE
-from tasks.exports.speculators import check_speculators
+from tasks.exports.speculators import SPECULATORS
 from tasks.exports.writer import (
     EXPORT_INDEX_NAME,
     ExportError,
@@ -26,16 +26,12 @@ from tasks.training_set import DatasetInfo, TrainingSetDataset, read_dataset_jso
 __all__ = ["EXPORTS", "EXPORT_INDEX_NAME", "ExportError", "ExportSummary", "ExportUnsupported", "check_exports",
            "run_export"]
 
-EXPORTS: dict[str, PerSampleFileExport] = {e.name: e for e in (SPECFORGE, MODELOPT)}
-#: formats known by name so that asking for one explains why this data cannot be had in it
-REFUSED_EXPORTS: dict[str, Callable[[DatasetInfo], None]] = {"speculators": check_speculators}
+EXPORTS: dict[str, PerSampleFileExport] = {e.name: e for e in (SPECFORGE, MODELOPT, SPECULATORS)}
 
 
 def check_exports(names: Sequence[str], info: DatasetInfo) -> None:
     """Raise before any work if an export is unknown or cannot be made from data described by ``info``."""
     for name in names:
-        if name in REFUSED_EXPORTS:
-            REFUSED_EXPORTS[name](info)
         if name not in EXPORTS:
             raise ExportError(f"unknown export {name!r} for dataset version {info.fingerprint}; "
                               f"known: {sorted(EXPORTS)}")

@@ -13,7 +13,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from tasks.exports import EXPORTS, REFUSED_EXPORTS, check_exports, run_export
+from tasks.exports import EXPORTS, check_exports, run_export
 from tasks.training_set import read_dataset_info
 
 
@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(prog="python -m tasks.exports", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("version_dir", type=Path, help="a dataset version folder: out/versions/<fingerprint>")
-    p.add_argument("exports", nargs="+", choices=sorted({*EXPORTS, *REFUSED_EXPORTS}))
+    p.add_argument("exports", nargs="+", choices=sorted(EXPORTS))
     a = p.parse_args(argv)
     check_exports(a.exports, read_dataset_info(a.version_dir))
     return [asdict(run_export(name, a.version_dir)) for name in a.exports]

@@ -5,15 +5,18 @@ One ``{conversation}.pt`` per sample (``torch.save``), collected by ModelOpt's l
 ``OfflineSupervisedDataset`` with ``torch.load(weights_only=True)``, which accepts these
 values (tensors, str, bool): ``input_ids`` [T], ``hidden_states`` [T, H], ``aux_hidden_states``
 [T, 3H], ``loss_mask`` [T], ``conversation_id``, ``hidden_states_prenorm`` (whether
-``hidden_states`` is before the final norm).
+``hidden_states`` is before the final norm; its trainer then applies the base model's norm,
+modelopt/torch/speculative/plugins/modeling_final_norm.py). We store the post-norm state, as
+the HF path does, and say so: False (ModelOpt's own vLLM path stores the pre-norm state
+without the flag).
 """
 
 from __future__ import annotations
 
 import re
 
-from patches.dumps import FINAL_NORM, safe_rid
-from tasks.exports.writer import ExportUnsupported, PerSampleFileExport
+from patches.dumps import safe_rid
+from tasks.exports.writer import PerSampleFileExport, require_final_state
 from tasks.training_set import DatasetInfo
 
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_-]{1,128}")
@@ -27,13 +30,11 @@ def _file(sample_key: str, idx: int) -> str:
 def _payload(item: dict, source_id: str, info: DatasetInfo) -> dict:
     return {"input_ids": item["input_ids"], "hidden_states": item["hidden_states"],
             "aux_hidden_states": item["aux_hidden_states"], "loss_mask": item["loss_mask"],
-            "conversation_id": source_id, "hidden_states_prenorm": info.final_norm != FINAL_NORM}
+            "conversation_id": source_id, "hidden_states_prenorm": False}  # hidden_states is post-norm
 
 
 def _check(info: DatasetInfo) -> None:
-    if info.final_norm not in (FINAL_NORM, "pre_norm"):
-        raise ExportUnsupported(f"modelopt export of dataset version {info.fingerprint}: unknown "
-                                f"final_norm={info.final_norm!r}")
+    require_final_state("modelopt", info, "post_norm", "the export stores the post-norm final state")
 
 
 MODELOPT = PerSampleFileExport("modelopt", (".pt",), _file, _payload, _check)

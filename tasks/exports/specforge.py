@@ -9,8 +9,7 @@ int64, ``aux_hidden_state`` [1, T, 3H], ``hidden_state`` [1, T, H] after the fin
 
 from __future__ import annotations
 
-from patches.dumps import FINAL_NORM
-from tasks.exports.writer import ExportUnsupported, PerSampleFileExport
+from tasks.exports.writer import PerSampleFileExport, require_final_state
 from tasks.training_set import DatasetInfo
 
 ROWS_PER_FOLDER = 2000
@@ -29,10 +28,8 @@ def _payload(item: dict, source_id: str, info: DatasetInfo) -> dict:
 
 def _check(info: DatasetInfo) -> None:
     # SpecForge's TargetHead applies lm_head alone (no final norm) to hidden_state.
-    if info.final_norm != FINAL_NORM:
-        raise ExportUnsupported(f"specforge export of dataset version {info.fingerprint}: SpecForge computes the "
-                                f"target logits as lm_head(hidden_state) and needs the post-norm final state; "
-                                f"this version holds final_norm={info.final_norm!r}")
+    require_final_state("specforge", info, "post_norm", "SpecForge computes the target logits as "
+                        "lm_head(hidden_state) and needs the post-norm final state")
 
 
 SPECFORGE = PerSampleFileExport("specforge", (".ckpt", ".ckpt.gz"), _file, _payload, _check)

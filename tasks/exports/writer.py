@@ -15,7 +15,7 @@ ModelOpt PR #2080 and SpecForge PR #295.
 
 The export index ``export_index.jsonl`` is an append-only log, one JSON object a line:
 
-    line 1     the header: format, export, the dataset version's fingerprint, final_norm,
+    line 1     the header: format, export, the dataset version's fingerprint, final_states,
                dtype, layer_ids (HF hidden_states indices) and eagle_aux_hidden_state_layer_ids
                (the same taps as SpecForge/ModelOpt configure them: output of layer k = i - 1)
     then       {"key", "idx", "file", "content_hash", "bytes"}: appended after the file is
@@ -52,6 +52,13 @@ class ExportUnsupported(ExportError):
     """The dataset version lacks what the trainer's format needs (e.g. a pre-norm final state)."""
 
 
+def require_final_state(export: str, info: DatasetInfo, state: str, why: str) -> None:
+    """Raise ExportUnsupported unless the version's samples hold the final state ``state`` ("post_norm", "pre_norm")."""
+    if state not in info.final_states.split("+"):
+        raise ExportUnsupported(f"{export} export of dataset version {info.fingerprint}: {why}; this version holds "
+                                f"final_states={info.final_states!r}")
+
+
 @dataclass(frozen=True)
 class ExportSummary:
     name: str
@@ -62,15 +69,22 @@ class ExportSummary:
     removed: int
 
 
+def _torch_save(payload: dict, path: Path) -> None:
+    torch.save(payload, path)
+
+
 @dataclass(frozen=True)
 class PerSampleFileExport:
-    """A trainer format with one torch.save file per sample."""
+    """A trainer format with one file per sample (torch.save unless ``save`` says otherwise)."""
 
     name: str
     suffixes: tuple[str, ...]                         # file endings the trainer's reader collects
     file_name: Callable[[str, int], str]              # (sample_key, stable number) -> path under the export
     payload: Callable[[dict, str, DatasetInfo], dict]  # (loader item, source_id, info) -> the file's dict
     check: Callable[[DatasetInfo], None]              # raises ExportUnsupported for data the format cannot take
+    save: Callable[[dict, Path], None] = _torch_save  # writes a payload to a path
+    #: after the per-sample files: what the format keeps beside them (speculators' row table)
+    finish: Callable[["ExportIndex", TrainingSetDataset], None] | None = None
 
 
 def aux_layer_ids_output_convention(info: DatasetInfo) -> list[int]:
@@ -111,12 +125,14 @@ def write_per_sample_files(export: PerSampleFileExport, dataset: TrainingSetData
                 continue
             path.parent.mkdir(parents=True, exist_ok=True)
             try:
-                atomic_write(path, lambda tmp: torch.save(export.payload(dataset[i], source_id, info), tmp))
+                atomic_write(path, lambda tmp: export.save(export.payload(dataset[i], source_id, info), tmp))
             except (OSError, RuntimeError) as exc:  # torch.save reports a full disk as a RuntimeError
                 raise ExportError(f"{export.name} export of dataset version {info.fingerprint}: cannot write "
                                   f"sample {key!r} to {path}: {exc}") from exc
             index.record(key, idx, file, want_hash, path.stat().st_size)
             written += 1
+        if export.finish is not None:
+            export.finish(index, dataset)
     return ExportSummary(export.name, str(out), len(keys), written, unchanged, removed)
 
 
@@ -133,7 +149,7 @@ class ExportIndex:
     @classmethod
     def load(cls, out: Path, name: str, info: DatasetInfo) -> "ExportIndex":
         header = {"format": EXPORT_INDEX_FORMAT, "version": EXPORT_INDEX_VERSION, "export": name,
-                  "fingerprint": info.fingerprint, "final_norm": info.final_norm, "dtype": info.dtype,
+                  "fingerprint": info.fingerprint, "final_states": info.final_states, "dtype": info.dtype,
                   "layer_ids": info.layer_ids, "layer_convention": info.layer_convention,
                   "eagle_aux_hidden_state_layer_ids": aux_layer_ids_output_convention(info)}
         path = out / EXPORT_INDEX_NAME
@@ -180,6 +196,14 @@ class ExportIndex:
         self._file.flush()
         self.entries[key] = entry
         self._lines += 1
+
+    def forget_retracted(self) -> None:
+        """Drop the lines of samples that left the manifest (their numbers become free); rewrites the log."""
+        if self._file is not None:  # the rewrite replaces the file this handle appends to
+            self._file.close()
+            self._file = None
+        self.entries = {k: e for k, e in self.entries.items() if e["content_hash"] is not None}
+        self._compact()
 
     def _compact(self) -> None:
         lines = [json.dumps(self.header)] + [json.dumps({"key": k, **e}) for k, e in self.entries.items()]
