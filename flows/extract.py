@@ -11,7 +11,6 @@ stop the server however the run ends.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import sys
@@ -34,6 +33,7 @@ from pydantic import BaseModel, Field, SecretStr
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
+from flows.cli import ModelCli
 from infra.node_block import SshNodeBlock
 from infra.server import RunningServer, ServerConfig, start_server
 from infra.hosts import redact_command
@@ -61,19 +61,28 @@ class ServerOptions(BaseModel):
     """How the model server is run (flags under SGLang's names)."""
 
     engine: Literal["transformers", "sglang"] = Field(
-        "transformers", title="--engine",
+        "transformers", title="Server engine",
         description="transformers: the project's own server (a Hugging Face forward, CPU or GPU); "
                     "sglang: real SGLang with the dump patch (patches.launch), on a GPU node.")
-    chunked_prefill_size: int | None = Field(None, title="--chunked-prefill-size", ge=-1,
-                                             description="Prefill tokens per forward; -1 disables chunking.")
-    disable_radix_cache: bool = Field(False, title="--disable-radix-cache")
-    skip_server_warmup: bool = Field(False, title="--skip-server-warmup")
-    device: Literal["cpu", "cuda"] | None = Field(None, title="--device",
-                                                  description="Empty: cpu for the transformers engine, cuda for sglang.")
-    port: int = Field(0, title="--port", ge=0, le=65535, description="0 picks a free port.")
-    api_key: SecretStr | None = Field(None, title="--api-key")
-    ready_timeout_s: float = Field(300.0, title="Seconds to wait for /health", gt=0)
-    extra_args: list[str] = Field([], title="More server flags", description="Passed to the server as they are.")
+    chunked_prefill_size: int | None = Field(None, title="Chunked prefill size", ge=-1,
+                                             description="Prefill tokens per forward; -1 disables chunking; "
+                                                         "empty: the server's default.")
+    disable_radix_cache: bool = Field(False, title="Disable the radix cache",
+                                      description="Every request is prefilled in full, no prefix reuse.")
+    skip_server_warmup: bool = Field(False, title="Skip the server's warm-up",
+                                     description="Start faster; the first requests pay for it.")
+    device: Literal["cpu", "cuda"] | None = Field(None, title="Device",
+                                                  description="Empty: cpu for the transformers engine, cuda for "
+                                                              "sglang.")
+    port: int = Field(0, title="Server port", ge=0, le=65535,
+                      description="Loopback port of the server; 0 picks a free one.")
+    api_key: SecretStr | None = Field(None, title="Server API key",
+                                      description="Required by the server on every request; on the command line "
+                                                  "read from a file, never from argv.")
+    ready_timeout_s: float = Field(300.0, title="Start-up timeout (s)", gt=0, le=86400,
+                                   description="How long to wait for the server's /health before giving up.")
+    extra_args: list[str] = Field([], title="More server flags",
+                                  description="Passed to the server as they are (after -- on the command line).")
 
     @property
     def device_or_default(self) -> str:
@@ -83,23 +92,27 @@ class ServerOptions(BaseModel):
 class NodeOptions(BaseModel):
     """Where the server runs: this machine, or a GPU node over SSH (paths are the node's)."""
 
-    node: str = Field("local", title="--node", description="local, or ssh://USER@HOST[:PORT]")
-    block: str | None = Field(None, title="--node-block",
+    node: str = Field("local", title="GPU node", description="local (this machine), or ssh://USER@HOST[:PORT].")
+    block: str | None = Field(None, title="Saved node block",
                               description="A saved eagle3-ssh-node block; replaces node, key, known_hosts, "
                                           "python, workdir and dump folder below.")
-    ssh_key: str | None = Field(None, title="--ssh-key", description="Private key file on this machine.")
-    known_hosts: str = Field("~/.ssh/known_hosts", title="--known-hosts",
+    ssh_key: str | None = Field(None, title="SSH private key file",
+                                description="A file on this machine (required for an ssh:// node without a block).")
+    known_hosts: str = Field("~/.ssh/known_hosts", title="Known hosts file",
                              description="The node's host key must be in it; an unknown key is refused.")
-    python: str = Field("python3", title="--node-python")
-    workdir: str = Field("eagle3-extract", title="--node-workdir", description="Relative: under the node's home.")
-    dump_dir: str | None = Field(None, title="--node-dump-dir", description="Empty: <workdir>/dumps.")
+    python: str = Field("python3", title="Python on the node",
+                        description="Interpreter that runs the node agent and the server.")
+    workdir: str = Field("eagle3-extract", title="Work folder on the node",
+                         description="Code, servers and node-side shards; relative: under the node's home.")
+    dump_dir: str | None = Field(None, title="Dump folder on the node",
+                                 description="Where the server writes hidden states; empty: <workdir>/dumps.")
     shards_on: Literal["here", "node"] | None = Field(
-        None, title="--shards-on", description="Where batches run and shards are written: node (the default for an "
-                                               "SSH node: README says why) or here (requests through a tunnel, dumps "
-                                               "read over the connection).")
-    fetch: bool = Field(False, title="--fetch",
+        None, title="Where shards are written",
+        description="node (the default for an SSH node: README says why): batches run and shards stay there; "
+                    "here: requests through a tunnel, dumps read over the connection.")
+    fetch: bool = Field(False, title="Fetch the shards",
                         description="Bring the node's shards home after the run and make the exports here.")
-    lease_timeout_s: float = Field(60.0, title="Lease (s)", ge=2, le=3600,
+    lease_timeout_s: float = Field(60.0, title="Server lease (s)", ge=2, le=3600,
                                    description="A server whose lease the flow stops renewing stops after this.")
 
     @property
@@ -120,21 +133,33 @@ class NodeOptions(BaseModel):
 
 
 class ExtractParameters(BaseModel):
-    prompts: str = Field(str(DEMO_PROMPTS), title="Prompt file (JSONL, JSON or Parquet)")
+    """One extraction: which prompts through which model into which folder, and how."""
+
+    prompts: str = Field(str(DEMO_PROMPTS), title="Prompts",
+                         description="A JSONL, JSON or Parquet file, or a folder or glob of them (read in name "
+                                     "order; a nightly run picks up files added since).")
     model_path: str | None = Field(None, title="Model folder",
-                                   description="A local Hugging Face model folder; empty: the tiny demo model.")
-    out: str = Field("out", title="Output folder")
-    server: ServerOptions = Field(default_factory=ServerOptions)
-    node: NodeOptions = Field(default_factory=NodeOptions)
-    batch_size: int = Field(100, title="Samples per batch task", ge=1, le=5000)
-    max_in_flight: int = Field(8, title="Requests in flight", ge=1, le=1024)
+                                   description="A local Hugging Face model folder (on the node with an SSH node); "
+                                               "empty: the tiny demo model.")
+    out: str = Field("out", title="Output folder",
+                     description="Dataset versions, dumps and run records go under it.")
+    server: ServerOptions = Field(default_factory=ServerOptions, title="Server")
+    node: NodeOptions = Field(default_factory=NodeOptions, title="Node")
+    batch_size: int = Field(100, title="Samples per batch task", ge=1, le=5000,
+                            description="One task run and one shard per batch; keeps the flow-run graph small.")
+    max_in_flight: int = Field(8, title="Requests in flight", ge=1, le=1024,
+                               description="Requests sent to the server and not yet answered, over all batches.")
     max_dump_bytes_in_flight: int = Field(
-        2 << 30, title="Dump bytes in flight", ge=1 << 20,
+        2 << 30, title="Dump bytes in flight", ge=1 << 20, le=1 << 40,
         description="Hidden-state bytes of requests sent but not yet read back, over all batches; below the "
                     "server writer's budget, so a slow reader slows the server instead of losing dumps.")
-    concurrent_batches: int = Field(2, title="Batch tasks at once", ge=1, le=64)
-    attempts: int = Field(3, title="Attempts per sample inside its batch", ge=1, le=20)
-    sample_retries: int = Field(2, title="Prefect retries of a sample its batch could not extract", ge=0, le=20)
+    concurrent_batches: int = Field(2, title="Batch tasks at once", ge=1, le=64,
+                                    description="Batch tasks running at the same time.")
+    attempts: int = Field(3, title="Attempts per sample inside its batch", ge=1, le=20,
+                          description="A sample that fails this often goes to its own retry task.")
+    sample_retries: int = Field(2, title="Retries of a straggler", ge=0, le=20,
+                                description="Prefect retries of a sample its batch could not extract, in its "
+                                            "own sample-<id> task.")
     backoff_s: float = Field(0.5, title="Seconds before the first retry", ge=0, le=600,
                              description="Doubles with each retry, inside a batch and in a sample's own task.")
     server_restarts: int = Field(2, title="Server restarts", ge=0, le=20,
@@ -144,27 +169,33 @@ class ExtractParameters(BaseModel):
         0.01, title="Failed samples allowed (fraction)", ge=0, le=1,
         description="Past it the run fails (a Failed flow run, exit code 1) instead of retrying each sample in "
                     "its own task; failed samples are recorded either way.")
-    max_length: int = Field(2048, title="Max tokens per sample", ge=2)
-    on_overlong: Literal["truncate", "skip"] = Field("truncate", title="Overlong samples")
-    aux_layers: list[int] | None = Field(None, title="Aux layers (HF hidden_states indices)",
-                                         description="Empty: the EAGLE-3 default [2, N//2, N-3].")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", title="--dtype")
+    max_length: int = Field(2048, title="Max tokens per sample", ge=2, le=1 << 20,
+                            description="Longer samples are truncated or skipped (next option).")
+    on_overlong: Literal["truncate", "skip"] = Field("truncate", title="Overlong samples",
+                                                     description="truncate to the max length, or skip them "
+                                                                 "(listed in rejects.jsonl).")
+    aux_layers: list[int] | None = Field(None, title="Aux layers", min_length=3, max_length=3,
+                                         description="Three HF hidden_states indices; empty: the EAGLE-3 default "
+                                                     "[2, N//2, N-3]. Part of the version.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", title="Model dtype",
+                                                              description="The server's compute dtype and the "
+                                                                          "stored hidden states' dtype.")
     exports: list[Literal["specforge", "speculators", "modelopt"]] = Field(
         [], title="Trainer exports", description="Written next to the shards, a second copy of the data; "
                                                  "`python -m tasks.exports` writes them on demand instead.")
     store_dtype: Literal["float8_e4m3fn"] | None = Field(
-        None, title="--store-dtype", description="Empty: store the hidden states in --dtype; float8_e4m3fn: "
-                                                 "half of bf16's bytes, per-token scales (see README).")
-    draft_vocab_size: int | None = Field(None, title="--draft-vocab-size", ge=1,
+        None, title="Stored dtype", description="Empty: store the hidden states in the model dtype; "
+                                                "float8_e4m3fn: half of bf16's bytes, per-token scales (README).")
+    draft_vocab_size: int | None = Field(None, title="Draft vocabulary size", ge=1,
                                          description="Draft vocabulary of the d2t/t2d mapping; empty: 32000, "
                                                      "or the target's vocabulary when smaller.")
     template_date: str = Field(DEFAULT_TEMPLATE_DATE, title="Date the chat template writes (YYYY-MM-DD)",
                                pattern=r"^\d{4}-\d{2}-\d{2}$",
                                description="What templates that write today's date (Llama 3.x, gpt-oss) see, "
                                            "fixed so every night gives the same ids. Part of the version.")
-    enable_thinking: bool = Field(DEFAULT_ENABLE_THINKING, title="enable_thinking (chat template variable)",
+    enable_thinking: bool = Field(DEFAULT_ENABLE_THINKING, title="Enable thinking (chat template variable)",
                                   description="Qwen3 and others; part of the version.")
-    chat_template_kwargs: dict[str, Any] = Field({}, title="More chat template variables (JSON values)",
+    chat_template_kwargs: dict[str, Any] = Field({}, title="More chat template variables (JSON)",
                                                  description="Passed to the template; part of the version.")
 
     def template_variables(self) -> TemplateVariables:
@@ -589,70 +620,14 @@ def record_run(vdir: Path, run_id: str, summary: dict, failures: list[SampleFail
                                                     indent=2))
 
 
+#: Flags that differ from ``--<field-name>`` (the names SGLang and earlier releases gave them).
+CLI = ModelCli(ExtractParameters, prog="python -m flows.extract", description=__doc__, rest="server.extra_args",
+               flags={"node.block": "--node-block", "node.python": "--node-python",
+                      "node.workdir": "--node-workdir", "node.dump_dir": "--node-dump-dir"})
+
+
 def parse_args(argv: list[str] | None = None) -> ExtractParameters:
-    p = argparse.ArgumentParser(prog="python -m flows.extract", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    d = ExtractParameters()
-    p.add_argument("--prompts", default=d.prompts)
-    p.add_argument("--model-path", default=None)
-    p.add_argument("--out", default=d.out)
-    p.add_argument("--batch-size", type=int, default=d.batch_size)
-    p.add_argument("--max-in-flight", type=int, default=d.max_in_flight)
-    p.add_argument("--max-dump-bytes-in-flight", type=int, default=d.max_dump_bytes_in_flight)
-    p.add_argument("--concurrent-batches", type=int, default=d.concurrent_batches)
-    p.add_argument("--attempts", type=int, default=d.attempts)
-    p.add_argument("--sample-retries", type=int, default=d.sample_retries)
-    p.add_argument("--backoff-s", type=float, default=d.backoff_s)
-    p.add_argument("--server-restarts", type=int, default=d.server_restarts)
-    p.add_argument("--max-failed-fraction", type=float, default=d.max_failed_fraction)
-    p.add_argument("--max-length", type=int, default=d.max_length)
-    p.add_argument("--on-overlong", choices=["truncate", "skip"], default=d.on_overlong)
-    p.add_argument("--aux-layers", type=int, nargs=3, default=None, metavar="ID")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=d.dtype)
-    p.add_argument("--exports", nargs="*", default=d.exports, choices=["specforge", "speculators", "modelopt"])
-    p.add_argument("--store-dtype", choices=["float8_e4m3fn"], default=None)
-    p.add_argument("--draft-vocab-size", type=int, default=None)
-    p.add_argument("--template-date", default=d.template_date, metavar="YYYY-MM-DD")
-    p.add_argument("--enable-thinking", action=argparse.BooleanOptionalAction, default=d.enable_thinking)
-    p.add_argument("--chat-template-kwargs", type=json.loads, default={}, metavar="JSON")
-    p.add_argument("--chunked-prefill-size", type=int, default=None)
-    p.add_argument("--disable-radix-cache", action="store_true")
-    p.add_argument("--skip-server-warmup", action="store_true")
-    p.add_argument("--device", choices=["cpu", "cuda"], default=None)
-    p.add_argument("--port", type=int, default=0)
-    n = NodeOptions()
-    p.add_argument("--engine", choices=["transformers", "sglang"], default=ServerOptions().engine)
-    p.add_argument("--node", default=n.node, help="local, or ssh://USER@HOST[:PORT]")
-    p.add_argument("--node-block", default=None, help="name of a saved eagle3-ssh-node block")
-    p.add_argument("--ssh-key", default=None)
-    p.add_argument("--known-hosts", default=n.known_hosts)
-    p.add_argument("--node-python", default=n.python)
-    p.add_argument("--node-workdir", default=n.workdir)
-    p.add_argument("--node-dump-dir", default=None)
-    p.add_argument("--shards-on", choices=["here", "node"], default=None,
-                   help="with an SSH node: node (default) or here")
-    p.add_argument("--fetch", action="store_true", help="bring a node's shards home and make the exports here")
-    p.add_argument("--lease-timeout-s", type=float, default=n.lease_timeout_s)
-    argv = list(sys.argv[1:] if argv is None else argv)
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
-    a = p.parse_args(argv[:len(argv) - len(extra) - (1 if "--" in argv else 0)])
-    server = ServerOptions(chunked_prefill_size=a.chunked_prefill_size, disable_radix_cache=a.disable_radix_cache,
-                           skip_server_warmup=a.skip_server_warmup, device=a.device, port=a.port, engine=a.engine,
-                           extra_args=extra)
-    node = NodeOptions(node=a.node, block=a.node_block, ssh_key=a.ssh_key, known_hosts=a.known_hosts,
-                       python=a.node_python, workdir=a.node_workdir, dump_dir=a.node_dump_dir, shards_on=a.shards_on,
-                       fetch=a.fetch, lease_timeout_s=a.lease_timeout_s)
-    return ExtractParameters(prompts=a.prompts, model_path=a.model_path, out=a.out, server=server, node=node,
-                             batch_size=a.batch_size, max_in_flight=a.max_in_flight,
-                             max_dump_bytes_in_flight=a.max_dump_bytes_in_flight,
-                             concurrent_batches=a.concurrent_batches, attempts=a.attempts,
-                             sample_retries=a.sample_retries, backoff_s=a.backoff_s, max_length=a.max_length,
-                             server_restarts=a.server_restarts, max_failed_fraction=a.max_failed_fraction,
-                             on_overlong=a.on_overlong,
-                             aux_layers=a.aux_layers, dtype=a.dtype, exports=a.exports,
-                             store_dtype=a.store_dtype, draft_vocab_size=a.draft_vocab_size,
-                             template_date=a.template_date, enable_thinking=a.enable_thinking,
-                             chat_template_kwargs=a.chat_template_kwargs)
+    return CLI.parse(argv)
 
 
 if __name__ == "__main__":
