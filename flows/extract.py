@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any, Callable, Literal
 
 from prefect import flow, get_run_logger
-from prefect.artifacts import create_table_artifact
-from prefect.futures import wait
+from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
+from prefect.futures import as_completed, wait
 from prefect.runtime import flow_run as current_flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.tasks import exponential_backoff
@@ -461,13 +461,21 @@ def extract_here(params: ExtractParameters, settings: RetrievalSettings, server:
     batches = [todo[i:i + params.batch_size] for i in range(0, len(todo), params.batch_size)]
     limit = InFlightLimit(params.max_in_flight, params.max_dump_bytes_in_flight)
     runner = ThreadPoolTaskRunner(max_workers=params.concurrent_batches)
+    # The UI's view of the terminal bar: updated as each batch task finishes.
+    progress = create_progress_artifact(0.0, key="extraction-progress",
+                                        description=progress_text(0, len(batches), 0, len(todo)))
     with tqdm(total=len(todo), unit="sample", desc="extracting") as bar, runner, ServerWatch(server, limit):
         futures = [runner.submit(extract_batch_step, parameters=dict(
             index=i, samples=quote(batch), settings=settings, dump_dir=dump_dir,
             shard_path=vdir / "shards" / f"shard-{run_id}-{i:05d}.safetensors",
             limit=limit, on_done=bar.update, store_dtype=params.store_dtype))
             for i, batch in enumerate(batches)]
-        wait(futures)
+        size = {f.task_run_id: len(b) for f, b in zip(futures, batches)}
+        samples_done = 0
+        for n, future in enumerate(as_completed(futures), start=1):
+            samples_done += size[future.task_run_id]
+            update_progress_artifact(progress, 100.0 * samples_done / len(todo),
+                                     description=progress_text(n, len(batches), samples_done, len(todo)))
         results = [f.result() for f in futures]
     tokens = sum(r.shard.tokens for r in results if r.shard)
     if limit.stopped is not None or not server.process.alive():
@@ -480,6 +488,10 @@ def extract_here(params: ExtractParameters, settings: RetrievalSettings, server:
                                                     vdir / "shards" / f"shard-{run_id}-retry-{n:05d}.safetensors",
                                                     params.store_dtype))
     return tokens + retried, failures, time.monotonic() - started
+
+
+def progress_text(batches_done: int, batches: int, samples_done: int, samples: int) -> str:
+    return f"{batches_done} of {batches} batches finished ({samples_done} of {samples} samples)"
 
 
 def retry_stragglers(params: ExtractParameters, stragglers: list[SampleFailure], todo: list, step,
