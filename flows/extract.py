@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any, Callable, Literal
 
 from prefect import flow, get_run_logger
-from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
+from prefect.artifacts import (create_markdown_artifact, create_progress_artifact, create_table_artifact,
+                              update_progress_artifact)
 from prefect.futures import as_completed, wait
 from prefect.runtime import flow_run as current_flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
@@ -44,6 +45,7 @@ from tasks.dataset_version import ModelFacts, extraction_config, read_model_fact
 from tasks.exports import check_exports
 from tasks.chat_template import DEFAULT_ENABLE_THINKING, DEFAULT_TEMPLATE_DATE, TemplateVariables, template_hash
 from tasks.prompts import write_rejects
+from tasks.report import run_report
 from tasks.retrieval import ExpectedDump, InFlightLimit, RetrievalSettings, SampleError, SampleFailure
 from tasks.steps import (consolidate_step, extract_batch_step, node_batch_step, node_retry_sample_step, prepare_step,
                          retry_sample_step)
@@ -340,9 +342,11 @@ def stop_node_servers(flow, flow_run, state) -> None:
 def extract(params: ExtractParameters = ExtractParameters()) -> dict:
     log = get_run_logger()
     started = time.monotonic()
+    phases_s: dict[str, float] = {}  # where the run's time went (the run report)
     out = Path(params.out).resolve()
     model_path, facts, tokenizer_dir = resolve_model(params)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    phases_s["model and tokenizer"] = time.monotonic() - started
     variables = params.template_variables()
     config = extraction_config(facts, params.aux_layers, params.dtype, template_hash(tokenizer),
                                params.max_length, params.on_overlong, params.store_dtype,
@@ -361,6 +365,7 @@ def extract(params: ExtractParameters = ExtractParameters()) -> dict:
     check_exports(params.exports, info)
     draft_vocab_size_for(info, params.draft_vocab_size)
 
+    mark = time.monotonic()
     prepared = prepare_step(Path(params.prompts), tokenizer, params.max_length, params.on_overlong, variables)
     write_rejects(vdir / "rejects.jsonl", prepared.rejected)
     done = {row["sample_key"] for row in shard_index(params, vdir, config.fingerprint())}
@@ -369,10 +374,12 @@ def extract(params: ExtractParameters = ExtractParameters()) -> dict:
              prepared.rows_in, len(prepared.samples), len(prepared.samples) - len(todo),
              len(prepared.duplicates), len(prepared.rejected))
 
+    phases_s["prompt preparation"] = time.monotonic() - mark
     run_id = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
     failures: list[SampleFailure] = []
     new_tokens = 0
     extract_s = 0.0
+    mark = time.monotonic()
     if todo:
         new_tokens, failures, extract_s = run_extraction(params, model_path, out, vdir, run_id, todo,
                                                          config.layer_ids, facts.hidden_size)
@@ -380,9 +387,12 @@ def extract(params: ExtractParameters = ExtractParameters()) -> dict:
         log.info("nothing new to extract: all %d samples are in dataset version %s",
                  len(prepared.samples), config.fingerprint())
 
+    phases_s["extraction"] = time.monotonic() - mark
     failed_keys = {f.sample_key for f in failures}
     keep = {s.sample_key for s in prepared.samples if s.sample_key not in failed_keys}
+    mark = time.monotonic()
     consolidated = finish_dataset(params, vdir, info, keep)
+    phases_s["consolidation and exports"] = time.monotonic() - mark
 
     summary = {
         "run": run_id, "version": config.fingerprint(), "version_dir": str(vdir),
@@ -404,6 +414,9 @@ def extract(params: ExtractParameters = ExtractParameters()) -> dict:
         create_table_artifact(key="failed-samples", description="Samples that failed every attempt",
                               table=[{"source_id": f.source_id, "sample_key": f.sample_key, "error": f.error,
                                       "reason": f.reason, "attempts": f.attempts} for f in failures])
+    create_markdown_artifact(key="run-report", description=f"Run {run_id}: lengths, throughput, time",
+                             markdown=run_report(summary, [len(s.input_ids) for s in todo
+                                                           if s.sample_key not in failed_keys], phases_s))
     log.info("summary: %s", json.dumps(summary))
     if len(failures) > failure_budget(params, len(todo)):
         raise RunFailed(f"{len(failures)} of {len(todo)} samples failed, over the failure budget of "

@@ -97,6 +97,14 @@ def test_deployed_extraction_runs_through_a_worker(deployed, tiny_model_dir, tmp
     assert (progress.type, progress.data) == ("progress", 100.0)
     assert progress.description == "3 of 3 batches finished (5 of 5 samples)"
     assert progress.updated > progress.created  # updated as batches finished, not written once at the end
+    report = artifacts["run-report"]
+    assert report.type == "markdown"
+    counts = [int(row.split("|")[2]) for row in report.data.splitlines() if row.startswith("| ") and "-" in
+              row.split("|")[1] and row.split("|")[2].strip().isdigit()]
+    assert sum(counts) == 5  # the length histogram holds this run's samples
+    assert f"{summary['tokens_this_run']:,} tokens" in report.data
+    for phase in ("model and tokenizer", "prompt preparation", "extraction", "consolidation and exports"):
+        assert f"| {phase} | " in report.data
 
 
 def test_nightly_deployment_is_registered_incremental_and_never_overlaps(deployed):
