@@ -36,25 +36,23 @@ class Option:
     field: FieldInfo
     kind: type  # the annotation without "| None" and list[...]
     is_list: bool
-    optional: bool
 
     @property
     def dest(self) -> str:
         return "__".join(self.path)
 
 
-def _unwrap(annotation: Any) -> tuple[Any, bool, bool]:
-    """(inner type, is a list, accepts None) of ``X``, ``X | None``, ``list[X]``, ``list[X] | None``."""
-    optional = False
+def _unwrap(annotation: Any) -> tuple[Any, bool]:
+    """(inner type, is a list) of ``X``, ``X | None``, ``list[X]``, ``list[X] | None``. None is the
+    default of such fields, never given on the command line."""
     if get_origin(annotation) in (Union, types.UnionType):
         args = [a for a in get_args(annotation) if a is not type(None)]
-        optional = len(args) < len(get_args(annotation))
         if len(args) != 1:
             raise TypeError(f"unsupported union {annotation}")
         annotation = args[0]
     if get_origin(annotation) is list:
-        return get_args(annotation)[0], True, optional
-    return annotation, False, optional
+        return get_args(annotation)[0], True
+    return annotation, False
 
 
 def model_options(model: type[BaseModel], flags: dict[str, str] | None = None,
@@ -64,27 +62,20 @@ def model_options(model: type[BaseModel], flags: dict[str, str] | None = None,
     options = []
     for name, field in model.model_fields.items():
         path = prefix + (name,)
-        kind, is_list, optional = _unwrap(field.annotation)
+        kind, is_list = _unwrap(field.annotation)
         if isinstance(kind, type) and issubclass(kind, BaseModel):
             options += model_options(kind, flags, path)
             continue
-        flag = flags.get(".".join(path), "--" + name.replace("_", "-"))
-        if kind is SecretStr:
-            flag = flags.get(".".join(path), f"--{name.replace('_', '-')}-file")
-        options.append(Option(path, flag, field, kind, is_list, optional))
+        flag = "--" + name.replace("_", "-") + ("-file" if kind is SecretStr else "")
+        options.append(Option(path, flags.get(".".join(path), flag), field, kind, is_list))
     return options
 
 
 def _default_text(field: FieldInfo) -> str:
-    if field.default_factory is not None:
-        value = field.default_factory()
-    else:
-        value = field.default
-    if value is None or value == [] or value == {}:
-        return "none" if value is None else json.dumps(value)
-    if isinstance(value, BaseModel):
-        return "see below"
-    return str(value)
+    value = field.default_factory() if field.default_factory is not None else field.default
+    if value is None:
+        return "none"
+    return json.dumps(value) if isinstance(value, (list, dict)) else str(value)
 
 
 def _bounds_text(field: FieldInfo) -> str:
@@ -117,10 +108,8 @@ class ModelCli:
         for option in self.options:
             group_path = option.path[:-1]
             if group_path not in groups:
-                nested = model
-                for part in group_path:
-                    nested = _unwrap(nested.model_fields[part].annotation)[0]
-                groups[group_path] = self.parser.add_argument_group(".".join(group_path), nested.__doc__)
+                groups[group_path] = self.parser.add_argument_group(".".join(group_path),
+                                                                    self._model_at(group_path).__doc__)
             self._add(groups[group_path], option)
 
     def _rest_help(self) -> str | None:
@@ -129,11 +118,14 @@ class ModelCli:
         field = self._field(self.rest)
         return f"-- ARGS...  {field.title}: {field.description}"
 
-    def _field(self, path: tuple[str, ...]) -> FieldInfo:
+    def _model_at(self, path: tuple[str, ...]) -> type[BaseModel]:
         model = self.model
-        for part in path[:-1]:
+        for part in path:
             model = _unwrap(model.model_fields[part].annotation)[0]
-        return model.model_fields[path[-1]]
+        return model
+
+    def _field(self, path: tuple[str, ...]) -> FieldInfo:
+        return self._model_at(path[:-1]).model_fields[path[-1]]
 
     def _add(self, group, option: Option) -> None:
         field = option.field

@@ -2,7 +2,7 @@
 
     python -m flows.extract                      # the demo: tiny local model, demo prompts, ./out
     python -m flows.extract --prompts FILE --out DIR --model-path DIR [--chunked-prefill-size N] ...
-    python -m flows.extract ... --engine sglang --node ssh://USER@HOST[:PORT] --ssh-key KEY \
+    python -m flows.extract ... --engine sglang --node ssh://USER@HOST[:PORT] --ssh-key KEY \\
         --known-hosts FILE [--node-python PY] [--node-workdir DIR] [--node-dump-dir DIR] [-- SGLang flags]
 
 Start the server, prepare prompts, map batches, retry stragglers one by one, consolidate,
