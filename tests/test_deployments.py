@@ -107,6 +107,22 @@ def test_deployed_extraction_runs_through_a_worker(deployed, tiny_model_dir, tmp
         assert f"| {phase} | " in report.data
 
 
+def test_a_second_nightly_trigger_while_one_runs_is_cancelled(deployed, tiny_model_dir, tmp_path):
+    """concurrency_limit 1 with CANCEL_NEW, as the server and the worker enforce it."""
+    env = deployed
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", conversations(4))
+    params = {"prompts": str(prompts), "model_path": str(tiny_model_dir), "out": str(tmp_path / "out")}
+    runs = [run_deployment("extract-eagle3/nightly", parameters={"params": params}, timeout=0) for _ in range(2)]
+    worker = tmp_path / "worker"
+    worker.mkdir()
+    cli(env, "worker", "start", "--pool", "local", "--run-once", cwd=worker, timeout=400)
+    with get_client(sync_client=True) as client:
+        states = sorted(client.read_flow_run(r.id).state.type.value for r in runs)
+    assert states == ["CANCELLED", "COMPLETED"]
+    (version,) = (tmp_path / "out" / "versions").iterdir()
+    assert len(list((version / "runs").glob("*.json"))) == 1  # one run wrote the version
+
+
 def test_nightly_deployment_is_registered_incremental_and_never_overlaps(deployed):
     with get_client(sync_client=True) as client:
         deployments = {d.name: d for d in client.read_deployments()}
