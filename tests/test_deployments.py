@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import requests
 from prefect import get_client
-from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter, FlowRunFilterId
+from prefect.client.schemas.filters import (ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey, FlowRunFilter,
+                                           FlowRunFilterId)
 from prefect.deployments import run_deployment
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
@@ -121,6 +122,31 @@ def test_a_second_nightly_trigger_while_one_runs_is_cancelled(deployed, tiny_mod
     assert states == ["CANCELLED", "COMPLETED"]
     (version,) = (tmp_path / "out" / "versions").iterdir()
     assert len(list((version / "runs").glob("*.json"))) == 1  # one run wrote the version
+
+
+def run_through_worker(env: dict, deployment: str, params: dict, workdir: Path) -> dict:
+    """One run of ``deployment`` by a worker started in ``workdir``; its extraction-summary."""
+    flow_run = run_deployment(deployment, parameters={"params": params}, timeout=0)
+    workdir.mkdir(exist_ok=True)
+    cli(env, "worker", "start", "--pool", "local", "--run-once", cwd=workdir, timeout=400)
+    with get_client(sync_client=True) as client:
+        assert client.read_flow_run(flow_run.id).state.is_completed()
+        (artifact,) = client.read_artifacts(artifact_filter=ArtifactFilter(
+            key=ArtifactFilterKey(any_=["extraction-summary"]), flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run.id])))
+    return json.loads(artifact.data)[0]
+
+
+def test_nightly_on_a_growing_folder_extracts_only_the_new_files(deployed, tiny_model_dir, tmp_path):
+    folder = tmp_path / "incoming"
+    folder.mkdir()
+    write_jsonl(folder / "2026-12-01.jsonl", conversations(3, tag="a"))
+    params = {"prompts": str(folder), "model_path": str(tiny_model_dir), "out": str(tmp_path / "out")}
+    first = run_through_worker(deployed, "extract-eagle3/nightly", params, tmp_path / "worker")
+    assert (first["written_this_run"], first["already_present"], first["written"]) == (3, 0, 3)
+    write_jsonl(folder / "2026-12-02.jsonl", conversations(2, tag="b"))
+    second = run_through_worker(deployed, "extract-eagle3/nightly", params, tmp_path / "worker")
+    assert (second["written_this_run"], second["already_present"], second["written"]) == (2, 3, 5)
+    assert second["version"] == first["version"]
 
 
 def test_nightly_deployment_is_registered_incremental_and_never_overlaps(deployed):
