@@ -2,7 +2,7 @@
 
     python -m flows.extract                      # the demo: tiny local model, demo prompts, ./out
     python -m flows.extract --prompts FILE --out DIR --model-path DIR [--chunked-prefill-size N] ...
-    python -m flows.extract ... --engine sglang --node ssh://USER@HOST[:PORT] --ssh-key KEY \
+    python -m flows.extract ... --engine sglang --node ssh://USER@HOST[:PORT] --ssh-key KEY \\
         --known-hosts FILE [--node-python PY] [--node-workdir DIR] [--node-dump-dir DIR] [-- SGLang flags]
 
 Start the server, prepare prompts, map batches, retry stragglers one by one, consolidate,
@@ -11,7 +11,6 @@ stop the server however the run ends.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import sys
@@ -24,8 +23,9 @@ from pathlib import Path
 from typing import Any, Callable, Literal
 
 from prefect import flow, get_run_logger
-from prefect.artifacts import create_table_artifact
-from prefect.futures import wait
+from prefect.artifacts import (create_markdown_artifact, create_progress_artifact, create_table_artifact,
+                              update_progress_artifact)
+from prefect.futures import as_completed, wait
 from prefect.runtime import flow_run as current_flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.tasks import exponential_backoff
@@ -34,6 +34,7 @@ from pydantic import BaseModel, Field, SecretStr, model_validator
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
+from flows.cli import ModelCli
 from infra.node_block import SshNodeBlock
 from infra.server import RunningServer, ServerConfig, start_server
 from infra.hosts import redact_command
@@ -44,6 +45,7 @@ from tasks.dataset_version import ModelFacts, extraction_config, read_model_fact
 from tasks.exports import check_exports
 from tasks.chat_template import DEFAULT_ENABLE_THINKING, DEFAULT_TEMPLATE_DATE, TemplateVariables, template_hash
 from tasks.prompts import write_rejects
+from tasks.report import run_report
 from tasks.retrieval import ExpectedDump, InFlightLimit, RetrievalSettings, SampleError, SampleFailure
 from tasks.steps import (consolidate_step, extract_batch_step, node_batch_step, node_retry_sample_step, prepare_step,
                          retry_sample_step)
@@ -61,19 +63,28 @@ class ServerOptions(BaseModel):
     """How the model server is run (flags under SGLang's names)."""
 
     engine: Literal["transformers", "sglang"] = Field(
-        "transformers", title="--engine",
+        "transformers", title="Server engine",
         description="transformers: the project's own server (a Hugging Face forward, CPU or GPU); "
                     "sglang: real SGLang with the dump patch (patches.launch), on a GPU node.")
-    chunked_prefill_size: int | None = Field(None, title="--chunked-prefill-size", ge=-1,
-                                             description="Prefill tokens per forward; -1 disables chunking.")
-    disable_radix_cache: bool = Field(False, title="--disable-radix-cache")
-    skip_server_warmup: bool = Field(False, title="--skip-server-warmup")
-    device: Literal["cpu", "cuda"] | None = Field(None, title="--device",
-                                                  description="Empty: cpu for the transformers engine, cuda for sglang.")
-    port: int = Field(0, title="--port", ge=0, le=65535, description="0 picks a free port.")
-    api_key: SecretStr | None = Field(None, title="--api-key")
-    ready_timeout_s: float = Field(300.0, title="Seconds to wait for /health", gt=0)
-    extra_args: list[str] = Field([], title="More server flags", description="Passed to the server as they are.")
+    chunked_prefill_size: int | None = Field(None, title="Chunked prefill size", ge=-1,
+                                             description="Prefill tokens per forward; -1 disables chunking; "
+                                                         "empty: the server's default.")
+    disable_radix_cache: bool = Field(False, title="Disable the radix cache",
+                                      description="Every request is prefilled in full, no prefix reuse.")
+    skip_server_warmup: bool = Field(False, title="Skip the server's warm-up",
+                                     description="Start faster; the first requests pay for it.")
+    device: Literal["cpu", "cuda"] | None = Field(None, title="Device",
+                                                  description="Empty: cpu for the transformers engine, cuda for "
+                                                              "sglang.")
+    port: int = Field(0, title="Server port", ge=0, le=65535,
+                      description="Loopback port of the server; 0 picks a free one.")
+    api_key: SecretStr | None = Field(None, title="Server API key",
+                                      description="Required by the server on every request; on the command line "
+                                                  "read from a file, never from argv.")
+    ready_timeout_s: float = Field(300.0, title="Start-up timeout (s)", gt=0, le=86400,
+                                   description="How long to wait for the server's /health before giving up.")
+    extra_args: list[str] = Field([], title="More server flags",
+                                  description="Passed to the server as they are (after -- on the command line).")
 
     @property
     def device_or_default(self) -> str:
@@ -83,23 +94,27 @@ class ServerOptions(BaseModel):
 class NodeOptions(BaseModel):
     """Where the server runs: this machine, or a GPU node over SSH (paths are the node's)."""
 
-    node: str = Field("local", title="--node", description="local, or ssh://USER@HOST[:PORT]")
-    block: str | None = Field(None, title="--node-block",
+    node: str = Field("local", title="GPU node", description="local (this machine), or ssh://USER@HOST[:PORT].")
+    block: str | None = Field(None, title="Saved node block",
                               description="A saved eagle3-ssh-node block; replaces node, key, known_hosts, "
                                           "python, workdir and dump folder below.")
-    ssh_key: str | None = Field(None, title="--ssh-key", description="Private key file on this machine.")
-    known_hosts: str = Field("~/.ssh/known_hosts", title="--known-hosts",
+    ssh_key: str | None = Field(None, title="SSH private key file",
+                                description="A file on this machine (required for an ssh:// node without a block).")
+    known_hosts: str = Field("~/.ssh/known_hosts", title="Known hosts file",
                              description="The node's host key must be in it; an unknown key is refused.")
-    python: str = Field("python3", title="--node-python")
-    workdir: str = Field("eagle3-extract", title="--node-workdir", description="Relative: under the node's home.")
-    dump_dir: str | None = Field(None, title="--node-dump-dir", description="Empty: <workdir>/dumps.")
+    python: str = Field("python3", title="Python on the node",
+                        description="Interpreter that runs the node agent and the server.")
+    workdir: str = Field("eagle3-extract", title="Work folder on the node",
+                         description="Code, servers and node-side shards; relative: under the node's home.")
+    dump_dir: str | None = Field(None, title="Dump folder on the node",
+                                 description="Where the server writes hidden states; empty: <workdir>/dumps.")
     shards_on: Literal["here", "node"] | None = Field(
-        None, title="--shards-on", description="Where batches run and shards are written: node (the default for an "
-                                               "SSH node: README says why) or here (requests through a tunnel, dumps "
-                                               "read over the connection).")
-    fetch: bool = Field(False, title="--fetch",
+        None, title="Where shards are written",
+        description="node (the default for an SSH node: README says why): batches run and shards stay there; "
+                    "here: requests through a tunnel, dumps read over the connection.")
+    fetch: bool = Field(False, title="Fetch the shards",
                         description="Bring the node's shards home after the run and make the exports here.")
-    lease_timeout_s: float = Field(60.0, title="Lease (s)", ge=2, le=3600,
+    lease_timeout_s: float = Field(60.0, title="Server lease (s)", ge=2, le=3600,
                                    description="A server whose lease the flow stops renewing stops after this.")
 
     @model_validator(mode="after")
@@ -128,21 +143,33 @@ class NodeOptions(BaseModel):
 
 
 class ExtractParameters(BaseModel):
-    prompts: str = Field(str(DEMO_PROMPTS), title="Prompt file (JSONL, JSON or Parquet)")
+    """One extraction: which prompts through which model into which folder, and how."""
+
+    prompts: str = Field(str(DEMO_PROMPTS), title="Prompts",
+                         description="A JSONL, JSON or Parquet file, or a folder or glob of them (read in name "
+                                     "order; a nightly run picks up files added since).")
     model_path: str | None = Field(None, title="Model folder",
-                                   description="A local Hugging Face model folder; empty: the tiny demo model.")
-    out: str = Field("out", title="Output folder")
-    server: ServerOptions = Field(default_factory=ServerOptions)
-    node: NodeOptions = Field(default_factory=NodeOptions)
-    batch_size: int = Field(100, title="Samples per batch task", ge=1, le=5000)
-    max_in_flight: int = Field(8, title="Requests in flight", ge=1, le=1024)
+                                   description="A local Hugging Face model folder (on the node with an SSH node); "
+                                               "empty: the tiny demo model.")
+    out: str = Field("out", title="Output folder",
+                     description="Dataset versions, dumps and run records go under it.")
+    server: ServerOptions = Field(default_factory=ServerOptions, title="Server")
+    node: NodeOptions = Field(default_factory=NodeOptions, title="Node")
+    batch_size: int = Field(100, title="Samples per batch task", ge=1, le=5000,
+                            description="One task run and one shard per batch; keeps the flow-run graph small.")
+    max_in_flight: int = Field(8, title="Requests in flight", ge=1, le=1024,
+                               description="Requests sent to the server and not yet answered, over all batches.")
     max_dump_bytes_in_flight: int = Field(
-        2 << 30, title="Dump bytes in flight", ge=1 << 20,
+        2 << 30, title="Dump bytes in flight", ge=1 << 20, le=1 << 40,
         description="Hidden-state bytes of requests sent but not yet read back, over all batches; below the "
                     "server writer's budget, so a slow reader slows the server instead of losing dumps.")
-    concurrent_batches: int = Field(2, title="Batch tasks at once", ge=1, le=64)
-    attempts: int = Field(3, title="Attempts per sample inside its batch", ge=1, le=20)
-    sample_retries: int = Field(2, title="Prefect retries of a sample its batch could not extract", ge=0, le=20)
+    concurrent_batches: int = Field(2, title="Batch tasks at once", ge=1, le=64,
+                                    description="Batch tasks running at the same time.")
+    attempts: int = Field(3, title="Attempts per sample inside its batch", ge=1, le=20,
+                          description="A sample that fails this often goes to its own retry task.")
+    sample_retries: int = Field(2, title="Retries of a straggler", ge=0, le=20,
+                                description="Prefect retries of a sample its batch could not extract, in its "
+                                            "own sample-<id> task.")
     backoff_s: float = Field(0.5, title="Seconds before the first retry", ge=0, le=600,
                              description="Doubles with each retry, inside a batch and in a sample's own task.")
     server_restarts: int = Field(2, title="Server restarts", ge=0, le=20,
@@ -152,27 +179,33 @@ class ExtractParameters(BaseModel):
         0.01, title="Failed samples allowed (fraction)", ge=0, le=1,
         description="Past it the run fails (a Failed flow run, exit code 1) instead of retrying each sample in "
                     "its own task; failed samples are recorded either way.")
-    max_length: int = Field(2048, title="Max tokens per sample", ge=2)
-    on_overlong: Literal["truncate", "skip"] = Field("truncate", title="Overlong samples")
-    aux_layers: list[int] | None = Field(None, title="Aux layers (HF hidden_states indices)",
-                                         description="Empty: the EAGLE-3 default [2, N//2, N-3].")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", title="--dtype")
+    max_length: int = Field(2048, title="Max tokens per sample", ge=2, le=1 << 20,
+                            description="Longer samples are truncated or skipped (next option).")
+    on_overlong: Literal["truncate", "skip"] = Field("truncate", title="Overlong samples",
+                                                     description="truncate to the max length, or skip them "
+                                                                 "(listed in rejects.jsonl).")
+    aux_layers: list[int] | None = Field(None, title="Aux layers", min_length=3, max_length=3,
+                                         description="Three HF hidden_states indices; empty: the EAGLE-3 default "
+                                                     "[2, N//2, N-3]. Part of the version.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", title="Model dtype",
+                                                              description="The server's compute dtype and the "
+                                                                          "stored hidden states' dtype.")
     exports: list[Literal["specforge", "speculators", "modelopt"]] = Field(
         [], title="Trainer exports", description="Written next to the shards, a second copy of the data; "
                                                  "`python -m tasks.exports` writes them on demand instead.")
     store_dtype: Literal["float8_e4m3fn"] | None = Field(
-        None, title="--store-dtype", description="Empty: store the hidden states in --dtype; float8_e4m3fn: "
-                                                 "half of bf16's bytes, per-token scales (see README).")
-    draft_vocab_size: int | None = Field(None, title="--draft-vocab-size", ge=1,
+        None, title="Stored dtype", description="Empty: store the hidden states in the model dtype; "
+                                                "float8_e4m3fn: half of bf16's bytes, per-token scales (README).")
+    draft_vocab_size: int | None = Field(None, title="Draft vocabulary size", ge=1,
                                          description="Draft vocabulary of the d2t/t2d mapping; empty: 32000, "
                                                      "or the target's vocabulary when smaller.")
     template_date: str = Field(DEFAULT_TEMPLATE_DATE, title="Date the chat template writes (YYYY-MM-DD)",
                                pattern=r"^\d{4}-\d{2}-\d{2}$",
                                description="What templates that write today's date (Llama 3.x, gpt-oss) see, "
                                            "fixed so every night gives the same ids. Part of the version.")
-    enable_thinking: bool = Field(DEFAULT_ENABLE_THINKING, title="enable_thinking (chat template variable)",
+    enable_thinking: bool = Field(DEFAULT_ENABLE_THINKING, title="Enable thinking (chat template variable)",
                                   description="Qwen3 and others; part of the version.")
-    chat_template_kwargs: dict[str, Any] = Field({}, title="More chat template variables (JSON values)",
+    chat_template_kwargs: dict[str, Any] = Field({}, title="More chat template variables (JSON)",
                                                  description="Passed to the template; part of the version.")
 
     def template_variables(self) -> TemplateVariables:
@@ -317,9 +350,11 @@ def stop_node_servers(flow, flow_run, state) -> None:
 def extract(params: ExtractParameters = ExtractParameters()) -> dict:
     log = get_run_logger()
     started = time.monotonic()
+    phases_s: dict[str, float] = {}  # where the run's time went (the run report)
     out = Path(params.out).resolve()
     model_path, facts, tokenizer_dir = resolve_model(params)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    phases_s["model and tokenizer"] = time.monotonic() - started
     variables = params.template_variables()
     config = extraction_config(facts, params.aux_layers, params.dtype, template_hash(tokenizer),
                                params.max_length, params.on_overlong, params.store_dtype,
@@ -338,6 +373,7 @@ def extract(params: ExtractParameters = ExtractParameters()) -> dict:
     check_exports(params.exports, info)
     draft_vocab_size_for(info, params.draft_vocab_size)
 
+    mark = time.monotonic()
     prepared = prepare_step(Path(params.prompts), tokenizer, params.max_length, params.on_overlong, variables)
     write_rejects(vdir / "rejects.jsonl", prepared.rejected)
     done = {row["sample_key"] for row in shard_index(params, vdir, config.fingerprint())}
@@ -346,10 +382,12 @@ def extract(params: ExtractParameters = ExtractParameters()) -> dict:
              prepared.rows_in, len(prepared.samples), len(prepared.samples) - len(todo),
              len(prepared.duplicates), len(prepared.rejected))
 
+    phases_s["prompt preparation"] = time.monotonic() - mark
     run_id = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
     failures: list[SampleFailure] = []
     new_tokens = 0
     extract_s = 0.0
+    mark = time.monotonic()
     if todo:
         new_tokens, failures, extract_s = run_extraction(params, model_path, out, vdir, run_id, todo,
                                                          config.layer_ids, facts.hidden_size)
@@ -357,9 +395,12 @@ def extract(params: ExtractParameters = ExtractParameters()) -> dict:
         log.info("nothing new to extract: all %d samples are in dataset version %s",
                  len(prepared.samples), config.fingerprint())
 
+    phases_s["extraction"] = time.monotonic() - mark
     failed_keys = {f.sample_key for f in failures}
     keep = {s.sample_key for s in prepared.samples if s.sample_key not in failed_keys}
+    mark = time.monotonic()
     consolidated = finish_dataset(params, vdir, info, keep)
+    phases_s["consolidation and exports"] = time.monotonic() - mark
 
     summary = {
         "run": run_id, "version": config.fingerprint(), "version_dir": str(vdir),
@@ -381,6 +422,9 @@ def extract(params: ExtractParameters = ExtractParameters()) -> dict:
         create_table_artifact(key="failed-samples", description="Samples that failed every attempt",
                               table=[{"source_id": f.source_id, "sample_key": f.sample_key, "error": f.error,
                                       "reason": f.reason, "attempts": f.attempts} for f in failures])
+    create_markdown_artifact(key="run-report", description=f"Run {run_id}: lengths, throughput, time",
+                             markdown=run_report(summary, [len(s.input_ids) for s in todo
+                                                           if s.sample_key not in failed_keys], phases_s))
     log.info("summary: %s", json.dumps(summary))
     if len(failures) > failure_budget(params, len(todo)):
         raise RunFailed(f"{len(failures)} of {len(todo)} samples failed, over the failure budget of "
@@ -438,13 +482,21 @@ def extract_here(params: ExtractParameters, settings: RetrievalSettings, server:
     batches = [todo[i:i + params.batch_size] for i in range(0, len(todo), params.batch_size)]
     limit = InFlightLimit(params.max_in_flight, params.max_dump_bytes_in_flight)
     runner = ThreadPoolTaskRunner(max_workers=params.concurrent_batches)
+    # The UI's view of the terminal bar: updated as each batch task finishes.
+    progress = create_progress_artifact(0.0, key="extraction-progress",
+                                        description=progress_text(0, len(batches), 0, len(todo)))
     with tqdm(total=len(todo), unit="sample", desc="extracting") as bar, runner, ServerWatch(server, limit):
         futures = [runner.submit(extract_batch_step, parameters=dict(
             index=i, samples=quote(batch), settings=settings, dump_dir=dump_dir,
             shard_path=vdir / "shards" / f"shard-{run_id}-{i:05d}.safetensors",
             limit=limit, on_done=bar.update, store_dtype=params.store_dtype))
             for i, batch in enumerate(batches)]
-        wait(futures)
+        size = {f.task_run_id: len(b) for f, b in zip(futures, batches)}
+        samples_done = 0
+        for n, future in enumerate(as_completed(futures), start=1):
+            samples_done += size[future.task_run_id]
+            update_progress_artifact(progress, 100.0 * samples_done / len(todo),
+                                     description=progress_text(n, len(batches), samples_done, len(todo)))
         results = [f.result() for f in futures]
     tokens = sum(r.shard.tokens for r in results if r.shard)
     if limit.stopped is not None or not server.process.alive():
@@ -457,6 +509,10 @@ def extract_here(params: ExtractParameters, settings: RetrievalSettings, server:
                                                     vdir / "shards" / f"shard-{run_id}-retry-{n:05d}.safetensors",
                                                     params.store_dtype))
     return tokens + retried, failures, time.monotonic() - started
+
+
+def progress_text(batches_done: int, batches: int, samples_done: int, samples: int) -> str:
+    return f"{batches_done} of {batches} batches finished ({samples_done} of {samples} samples)"
 
 
 def retry_stragglers(params: ExtractParameters, stragglers: list[SampleFailure], todo: list, step,
@@ -597,70 +653,14 @@ def record_run(vdir: Path, run_id: str, summary: dict, failures: list[SampleFail
                                                     indent=2))
 
 
+#: Flags that differ from ``--<field-name>`` (the names SGLang and earlier releases gave them).
+CLI = ModelCli(ExtractParameters, prog="python -m flows.extract", description=__doc__, rest="server.extra_args",
+               flags={"node.block": "--node-block", "node.python": "--node-python",
+                      "node.workdir": "--node-workdir", "node.dump_dir": "--node-dump-dir"})
+
+
 def parse_args(argv: list[str] | None = None) -> ExtractParameters:
-    p = argparse.ArgumentParser(prog="python -m flows.extract", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    d = ExtractParameters()
-    p.add_argument("--prompts", default=d.prompts)
-    p.add_argument("--model-path", default=None)
-    p.add_argument("--out", default=d.out)
-    p.add_argument("--batch-size", type=int, default=d.batch_size)
-    p.add_argument("--max-in-flight", type=int, default=d.max_in_flight)
-    p.add_argument("--max-dump-bytes-in-flight", type=int, default=d.max_dump_bytes_in_flight)
-    p.add_argument("--concurrent-batches", type=int, default=d.concurrent_batches)
-    p.add_argument("--attempts", type=int, default=d.attempts)
-    p.add_argument("--sample-retries", type=int, default=d.sample_retries)
-    p.add_argument("--backoff-s", type=float, default=d.backoff_s)
-    p.add_argument("--server-restarts", type=int, default=d.server_restarts)
-    p.add_argument("--max-failed-fraction", type=float, default=d.max_failed_fraction)
-    p.add_argument("--max-length", type=int, default=d.max_length)
-    p.add_argument("--on-overlong", choices=["truncate", "skip"], default=d.on_overlong)
-    p.add_argument("--aux-layers", type=int, nargs=3, default=None, metavar="ID")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=d.dtype)
-    p.add_argument("--exports", nargs="*", default=d.exports, choices=["specforge", "speculators", "modelopt"])
-    p.add_argument("--store-dtype", choices=["float8_e4m3fn"], default=None)
-    p.add_argument("--draft-vocab-size", type=int, default=None)
-    p.add_argument("--template-date", default=d.template_date, metavar="YYYY-MM-DD")
-    p.add_argument("--enable-thinking", action=argparse.BooleanOptionalAction, default=d.enable_thinking)
-    p.add_argument("--chat-template-kwargs", type=json.loads, default={}, metavar="JSON")
-    p.add_argument("--chunked-prefill-size", type=int, default=None)
-    p.add_argument("--disable-radix-cache", action="store_true")
-    p.add_argument("--skip-server-warmup", action="store_true")
-    p.add_argument("--device", choices=["cpu", "cuda"], default=None)
-    p.add_argument("--port", type=int, default=0)
-    n = NodeOptions()
-    p.add_argument("--engine", choices=["transformers", "sglang"], default=ServerOptions().engine)
-    p.add_argument("--node", default=n.node, help="local, or ssh://USER@HOST[:PORT]")
-    p.add_argument("--node-block", default=None, help="name of a saved eagle3-ssh-node block")
-    p.add_argument("--ssh-key", default=None)
-    p.add_argument("--known-hosts", default=n.known_hosts)
-    p.add_argument("--node-python", default=n.python)
-    p.add_argument("--node-workdir", default=n.workdir)
-    p.add_argument("--node-dump-dir", default=None)
-    p.add_argument("--shards-on", choices=["here", "node"], default=None,
-                   help="with an SSH node: node (default) or here")
-    p.add_argument("--fetch", action="store_true", help="bring a node's shards home and make the exports here")
-    p.add_argument("--lease-timeout-s", type=float, default=n.lease_timeout_s)
-    argv = list(sys.argv[1:] if argv is None else argv)
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
-    a = p.parse_args(argv[:len(argv) - len(extra) - (1 if "--" in argv else 0)])
-    server = ServerOptions(chunked_prefill_size=a.chunked_prefill_size, disable_radix_cache=a.disable_radix_cache,
-                           skip_server_warmup=a.skip_server_warmup, device=a.device, port=a.port, engine=a.engine,
-                           extra_args=extra)
-    node = NodeOptions(node=a.node, block=a.node_block, ssh_key=a.ssh_key, known_hosts=a.known_hosts,
-                       python=a.node_python, workdir=a.node_workdir, dump_dir=a.node_dump_dir, shards_on=a.shards_on,
-                       fetch=a.fetch, lease_timeout_s=a.lease_timeout_s)
-    return ExtractParameters(prompts=a.prompts, model_path=a.model_path, out=a.out, server=server, node=node,
-                             batch_size=a.batch_size, max_in_flight=a.max_in_flight,
-                             max_dump_bytes_in_flight=a.max_dump_bytes_in_flight,
-                             concurrent_batches=a.concurrent_batches, attempts=a.attempts,
-                             sample_retries=a.sample_retries, backoff_s=a.backoff_s, max_length=a.max_length,
-                             server_restarts=a.server_restarts, max_failed_fraction=a.max_failed_fraction,
-                             on_overlong=a.on_overlong,
-                             aux_layers=a.aux_layers, dtype=a.dtype, exports=a.exports,
-                             store_dtype=a.store_dtype, draft_vocab_size=a.draft_vocab_size,
-                             template_date=a.template_date, enable_thinking=a.enable_thinking,
-                             chat_template_kwargs=a.chat_template_kwargs)
+    return CLI.parse(argv)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,11 @@ Input files
     1-based row number in a JSON list or a Parquet table. ``tools`` (optional) is the list of tool
     definitions the template writes into its system prompt.
 
+    The source is one such file, or a folder or glob of them (:func:`prompt_files`), read in name
+    order: a folder that grows is the nightly run's source. With several files a row without an id
+    is named ``{file name}:line-{n}`` (its file path relative to the folder, or the file name for a
+    glob), so that ids do not collide across files and stay the same as files are added.
+
 Messages
     OpenAI: ``role`` system, user, assistant or tool; ``content`` a string. An assistant message may
     carry ``reasoning_content`` (a string) and ``tool_calls`` (``[{"type": "function", "function":
@@ -129,6 +134,33 @@ class _RowRejected(Exception):
 # --------------------------------------------------------------------------- reading
 
 
+PROMPT_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+def prompt_files(source: Path | str) -> list[tuple[Path, str | None]]:
+    """``(file, label)`` for each prompt file of ``source`` in name order: a file (label None), a folder
+    (its .jsonl/.json/.parquet files, recursively; label: the path under it) or a glob (label: file name)."""
+    source = Path(source).expanduser()
+    if source.is_file():
+        return [(source, None)]
+    if source.is_dir():
+        found = sorted(p for p in source.rglob("*") if p.is_file() and p.suffix.lower() in PROMPT_SUFFIXES)
+        if not found:
+            raise PromptFileError(source, f"folder holds no {', '.join(PROMPT_SUFFIXES)} files")
+        return [(p, p.relative_to(source).as_posix()) for p in found]
+    if any(c in str(source) for c in "*?["):
+        root = Path(source.anchor) if source.is_absolute() else Path(".")
+        pattern = str(source.relative_to(root)) if source.is_absolute() else str(source)
+        found = sorted(p for p in root.glob(pattern) if p.is_file())
+        if not found:
+            raise PromptFileError(source, "the glob matches no file")
+        labels = [p.name for p in found]
+        if len(set(labels)) < len(labels):
+            labels = [str(p) for p in found]  # same name in two folders: the whole path keeps ids apart
+        return list(zip(found, labels))
+    raise PromptFileError(source, "no such file, folder or glob")
+
+
 def read_conversations(path: Path | str) -> Iterator[tuple[int, dict | Exception]]:
     """Yield ``(line number, row)`` for each row, or ``(line number, MalformedRow)`` for one that does not parse."""
     path = Path(path)
@@ -180,10 +212,12 @@ def _object_or_error(path: Path, number: int, row: object) -> dict | Exception:
     return MalformedRow(path, number, f"a row is a JSON object, not a {type(row).__name__}")
 
 
-def source_id_of(row: dict, line: int) -> str:
-    """The row's own id, or ``line-{n}`` when it has none."""
+def source_id_of(row: dict, line: int, label: str | None = None) -> str:
+    """The row's own id, or ``line-{n}`` (``{label}:line-{n}`` for a file of several) when it has none."""
     value = row.get("id")
-    return f"line-{line}" if value is None or value == "" else str(value)
+    if value is None or value == "":
+        return f"line-{line}" if label is None else f"{label}:line-{line}"
+    return str(value)
 
 
 def normalize_conversation(row: dict) -> Conversation:
@@ -296,7 +330,8 @@ def sample_key(input_ids: Sequence[int], loss_mask: Sequence[int]) -> str:
 
 def prepare_prompts(path: Path | str, tokenizer, max_length: int = 2048, on_overlong: str = "truncate",
                     variables: TemplateVariables = TemplateVariables()) -> PreparedPrompts:
-    """Read, render, mask, cut to ``max_length`` and de-duplicate every conversation of ``path``."""
+    """Read, render, mask, cut to ``max_length`` and de-duplicate every conversation of ``path``
+    (a file, folder or glob: :func:`prompt_files`)."""
     if on_overlong not in ON_OVERLONG:
         raise ValueError(f"on_overlong must be one of {ON_OVERLONG}, not {on_overlong!r}")
     if max_length < 2:
@@ -308,12 +343,14 @@ def prepare_prompts(path: Path | str, tokenizer, max_length: int = 2048, on_over
     first_by_key: dict[str, str] = {}
     line_by_id: dict[str, int] = {}
     rows_in = tool_calls = tool_results = 0
-    for line, row in read_conversations(path):
+    rows = ((label, line, row) for file, label in prompt_files(path) for line, row in read_conversations(file))
+    for label, line, row in rows:
         rows_in += 1
         if isinstance(row, Exception):
-            rejected.append(Rejected(line, None, f"malformed row: {row.reason}"))
+            where = "" if label is None else f" (in {label})"
+            rejected.append(Rejected(line, None, f"malformed row{where}: {row.reason}"))
             continue
-        source_id = source_id_of(row, line)
+        source_id = source_id_of(row, line, label)
         try:
             conversation = normalize_conversation(row)
             sample = _prepare_row(template, conversation, source_id, line, max_length, on_overlong)

@@ -389,3 +389,30 @@ def test_demo_prompts(tokenizer):
     for sample in result.samples:
         assert supervised_runs(tokenizer, sample.input_ids, sample.loss_mask) == assistant_texts(
             messages_by_id[sample.source_id], "<|eot_id|>")
+
+
+def test_a_folder_or_glob_of_files_is_one_source_that_grows(tokenizer, tmp_path):
+    """The nightly source: files read in name order, ids without an id field kept apart per file,
+    the same content in two files a duplicate, and a file added later adds only its rows."""
+    folder = tmp_path / "prompts"
+    (folder / "b").mkdir(parents=True)
+    write_jsonl(folder / "a.jsonl", [{"messages": CONVERSATIONS[0]}, {"id": "x", "messages": CONVERSATIONS[1]}])
+    write_jsonl(folder / "b" / "c.jsonl", [{"messages": CONVERSATIONS[0]}])
+    (folder / "notes.txt").write_text("not prompts")
+    first = prepare_prompts(folder, tokenizer)
+    assert [s.source_id for s in first.samples] == ["a.jsonl:line-1", "x"]
+    assert [(d.source_id, d.first_source_id) for d in first.duplicates] == [("b/c.jsonl:line-1", "a.jsonl:line-1")]
+    assert first.rows_in == 3
+
+    write_jsonl(folder / "d.jsonl", [{"messages": CONVERSATIONS[2]}])
+    grown = prepare_prompts(folder, tokenizer)
+    assert [s.source_id for s in grown.samples] == ["a.jsonl:line-1", "x", "d.jsonl:line-1"]
+    assert [s.sample_key for s in grown.samples[:2]] == [s.sample_key for s in first.samples]
+
+    globbed = prepare_prompts(f"{folder}/*.jsonl", tokenizer)
+    assert [s.source_id for s in globbed.samples] == ["a.jsonl:line-1", "x", "d.jsonl:line-1"]
+    with pytest.raises(PromptFileError, match="the glob matches no file"):
+        prepare_prompts(f"{folder}/*.parquet", tokenizer)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(PromptFileError, match="holds no .jsonl, .json, .parquet files"):
+        prepare_prompts(tmp_path / "empty", tokenizer)

@@ -1,0 +1,27 @@
+"""The run report's numbers, from known lengths and timings (no Prefect needed)."""
+
+from tasks.report import length_histogram, run_report
+
+SUMMARY = {"run": "r1", "version": "v1", "written_this_run": 6, "failed": 1, "already_present": 2,
+           "duplicates": 0, "rejected": 3, "tokens_this_run": 1200}
+
+
+def test_histogram_buckets_are_powers_of_two_with_inner_gaps_kept():
+    assert length_histogram([20, 30, 33, 200]) == [("17-32", 2), ("33-64", 1), ("65-128", 0), ("129-256", 1)]
+    assert length_histogram([16, 17]) == [("1-16", 1), ("17-32", 1)]
+    assert length_histogram([]) == []
+
+
+def test_report_states_throughput_lengths_and_where_time_went():
+    report = run_report(SUMMARY, [20, 30, 33, 200, 300, 617], {"prompt preparation": 1.0, "extraction": 6.0,
+                                                                "consolidation and exports": 1.0})
+    assert "**200.0 tokens/s**, 1.00 samples/s over 6.0 s" in report
+    assert "| 17-32 | 2 | `" + "#" * 40 + "` |" in report and "| 513-1024 | 1 | `" + "#" * 20 + "` |" in report
+    assert "min 20, median 200, max 617" in report
+    assert "| extraction | 6.00 | 75% |" in report and "| prompt preparation | 1.00 | 12% |" in report
+    assert "6 samples written this run (1 failed, 2 already present, 0 duplicates, 3 rejected), 1,200 tokens" in report
+
+
+def test_a_run_with_nothing_new_says_so():
+    report = run_report({**SUMMARY, "written_this_run": 0, "tokens_this_run": 0}, [], {"extraction": 0.0})
+    assert "No sample was extracted this run." in report and "tokens/s" not in report
