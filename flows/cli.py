@@ -24,7 +24,6 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, SecretStr, ValidationError
 from pydantic.fields import FieldInfo
-from pydantic_core import PydanticUndefined
 
 
 @dataclass(frozen=True)

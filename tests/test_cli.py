@@ -45,7 +45,7 @@ def test_the_flags_of_earlier_releases_still_parse():
                          "--max-in-flight", "1", "--concurrent-batches", "1", "--aux-layers", "1", "2", "3",
                          "--exports", "specforge", "modelopt", "--disable-radix-cache", "--fetch",
                          "--node", "ssh://u@h:2222", "--ssh-key", "k", "--known-hosts", "kh", "--node-python", "py",
-                         "--node-workdir", "w", "--node-dump-dir", "d", "--shards-on", "here", "--lease-timeout-s",
+                         "--node-workdir", "w", "--node-dump-dir", "d", "--shards-on", "node", "--lease-timeout-s",
                          "4", "--chunked-prefill-size", "24", "--engine", "sglang", "--no-enable-thinking",
                          "--", "--tp-size", "2"])
     assert params == ExtractParameters(
@@ -54,7 +54,7 @@ def test_the_flags_of_earlier_releases_still_parse():
         server=ServerOptions(disable_radix_cache=True, chunked_prefill_size=24, engine="sglang",
                              extra_args=["--tp-size", "2"]),
         node=NodeOptions(fetch=True, node="ssh://u@h:2222", ssh_key="k", known_hosts="kh", python="py", workdir="w",
-                         dump_dir="d", shards_on="here", lease_timeout_s=4))
+                         dump_dir="d", shards_on="node", lease_timeout_s=4))
     assert parse_args([]) == ExtractParameters()
 
 
