@@ -501,10 +501,7 @@ def extract_here(params: ExtractParameters, settings: RetrievalSettings, server:
     tokens = sum(r.shard.tokens for r in results if r.shard)
     if limit.stopped is not None or not server.process.alive():
         raise ServerDied(limit.stopped or f"the server on {server.host.name} exited", tokens)
-    stragglers = [f for r in results for f in r.failures]
-    if len(stragglers) > failure_budget(params, len(todo)):
-        return tokens, stragglers, time.monotonic() - started
-    retried, failures = retry_stragglers(params, stragglers, todo, retry_sample_step,
+    retried, failures = retry_stragglers(params, [f for r in results for f in r.failures], todo, retry_sample_step,
                                          lambda n: (settings, dump_dir,
                                                     vdir / "shards" / f"shard-{run_id}-retry-{n:05d}.safetensors",
                                                     params.store_dtype))
@@ -521,6 +518,8 @@ def retry_stragglers(params: ExtractParameters, stragglers: list[SampleFailure],
     ``step(sample, failure, *step_args(n))`` for straggler n, returning a ShardSummary."""
     if not stragglers:
         return 0, []
+    if len(stragglers) > failure_budget(params, len(todo)):
+        return 0, stragglers  # over the budget the run fails anyway; a task per sample would only flood Prefect
     by_key = {s.sample_key: s for s in todo}
     retry = step.with_options(retries=params.sample_retries, retry_delay_seconds=exponential_backoff(params.backoff_s))
     pending = [(f, retry.submit(quote(by_key[f.sample_key]), f, *step_args(n))) for n, f in enumerate(stragglers)]

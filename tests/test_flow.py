@@ -389,3 +389,20 @@ def test_a_server_that_keeps_dying_fails_the_run_without_a_task_flood(prefect_ap
         retries = client.read_task_runs(task_run_filter=TaskRunFilter(name=TaskRunFilterName(any_=[
             f"sample-c{i}" for i in range(24)])))
     assert retries == [], "per-sample retry tasks were spawned for a dead server"
+
+
+def test_failures_past_the_budget_fail_the_run_and_spawn_no_sample_tasks(prefect_api, tiny_model_dir, tmp_path):
+    from flows.extract import RunFailed
+
+    rows = conversations(6, tag="budget")
+    rows[1] = {"id": "over-budget", "messages": [
+        {"role": "user", "content": "tell me a story " * 400}, {"role": "assistant", "content": "no."}]}
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", rows)
+    with pytest.raises(RunFailed, match="1 of 6 samples failed, over the failure budget of 0"):
+        extract(ExtractParameters(prompts=str(prompts), model_path=str(tiny_model_dir), out=str(tmp_path / "o"),
+                                  max_length=4000, server=ServerOptions(extra_args=["--context-length", "512"])))
+    run = json.loads(next((tmp_path / "o").glob("versions/*/runs/*[0-9a-f].json")).read_text())
+    assert [f["source_id"] for f in run["failed"]] == ["over-budget"], "the failed sample was not recorded"
+    with get_client(sync_client=True) as client:
+        tasks = client.read_task_runs(task_run_filter=TaskRunFilter(name=TaskRunFilterName(any_=["sample-over-budget"])))
+    assert tasks == []
