@@ -39,6 +39,7 @@ import requests
 import torch
 
 from patches.dumps import DumpReader, default_aux_layer_ids
+from tasks.dataset_version import ModelFacts, read_model_facts
 from tasks.retrieval import (ExpectedDump, InFlightLimit, RetrievalSettings, extract_samples, extract_with_retries,
                              send_generate)
 from tasks.samples import PreparedSample
@@ -73,13 +74,8 @@ def make_prompts(n: int, seed: int, vocab: int, min_tokens: int, max_tokens: int
     return samples
 
 
-def model_facts(model_path: Path) -> dict:
-    config = json.loads((model_path / "config.json").read_text())
-    return {"hidden": config["hidden_size"], "layers": config["num_hidden_layers"], "vocab": config["vocab_size"]}
-
-
-def settings_for(args, facts: dict) -> RetrievalSettings:
-    expected = ExpectedDump(tuple(default_aux_layer_ids(facts["layers"])), facts["hidden"], args.dtype)
+def settings_for(args, facts: ModelFacts) -> RetrievalSettings:
+    expected = ExpectedDump(tuple(default_aux_layer_ids(facts.num_layers)), facts.hidden_size, args.dtype)
     return RetrievalSettings(url=args.url, rid_prefix=RID_PREFIX, expected=expected, backoff_s=0.1,
                              dump_wait_s=120.0)
 
@@ -148,7 +144,7 @@ def check_shards(args, shards: list[Path]) -> dict:
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    layer_ids = default_aux_layer_ids(model_facts(args.model_path)["layers"])
+    layer_ids = default_aux_layer_ids(read_model_facts(args.model_path).num_layers)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     bf16 = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.bfloat16).to(device).eval()
     fp32 = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float32).to(device).eval()
@@ -250,8 +246,8 @@ def main(argv: list[str] | None = None) -> int:
         print(report(args.results))
         return 0
 
-    facts = model_facts(args.model_path)
-    samples = make_prompts(args.samples, args.seed, facts["vocab"], args.min_tokens, args.max_tokens)
+    facts = read_model_facts(args.model_path)
+    samples = make_prompts(args.samples, args.seed, facts.vocab_size, args.min_tokens, args.max_tokens)
     errors = AttemptErrors()
     logging.getLogger("tasks.retrieval").addHandler(errors)
     logging.getLogger("tasks.retrieval").propagate = False  # counted, not printed per attempt

@@ -11,12 +11,13 @@ from __future__ import annotations
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, Sequence
+
+from infra.node_agent import free_port, port_free  # stdlib only: the node runs the same checks
 
 
 
@@ -107,20 +108,6 @@ class LocalHost:
         return f"http://127.0.0.1:{port}"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def port_free(port: int) -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind: TIME_WAIT is no owner
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def redact_command(argv: Sequence[str], secret_flags: Sequence[str]) -> str:

@@ -279,10 +279,11 @@ def model_facts(model_path: Path) -> dict:
     return asdict(read_model_facts(model_path))
 
 
-def free_port() -> dict:
+def free_port() -> int:
+    """A port nothing listens on now, on loopback."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return {"port": s.getsockname()[1]}
+        return s.getsockname()[1]
 
 
 # --------------------------------------------------------------------------- command line
@@ -318,7 +319,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if a.verb == "check":
             out = check(a.engine, a.device)
         elif a.verb == "free-port":
-            out = free_port()
+            out = {"port": free_port()}
         elif a.verb == "model-facts":
             out = model_facts(a.model_path)
         elif a.verb == "start":

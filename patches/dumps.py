@@ -624,19 +624,21 @@ class DumpReader:
                 tensors = {name: f.get_tensor(name) for name in _PIECE_TENSORS}
             n = tensors["input_ids"].numel()
             want = json.loads(p.meta["checksum"])
-            num_taps = len(json.loads(p.meta["layer_ids"]))
+            layer_ids = json.loads(p.meta["layer_ids"])
         except (SafetensorError, OSError, KeyError, ValueError) as exc:
             raise DumpCorrupt(rid, self.dump_dir, f"cannot read piece {p.path.name}: {exc}") from exc
         if n != p.chunk_len or any(tensors[name].shape[0] != n for name in _PIECE_TENSORS):
             raise DumpCorrupt(rid, self.dump_dir, f"piece {p.path.name} holds tensors of lengths other than its {p.chunk_len} tokens")
         try:
-            got = piece_checksum(*(tensors[name] for name in _PIECE_TENSORS), num_taps)
+            got = piece_checksum(*(tensors[name] for name in _PIECE_TENSORS), len(layer_ids))
         except (RuntimeError, KeyError) as exc:  # shapes or dtype that do not fit the layer count
             raise DumpCorrupt(rid, self.dump_dir, f"piece {p.path.name}: cannot checksum its tensors: {exc}") from exc
         if got != want:
-            groups = ["token ids"] + [f"aux tap {i}" for i in json.loads(p.meta["layer_ids"])] + ["final state", "pre-norm final state"]
+            groups = ["token ids"] + [f"aux tap {i}" for i in layer_ids] + ["final state", "pre-norm final state"]
             width = len(groups)
-            bad = [g for i, g in enumerate(groups) if (got[i], got[width + i]) != (want[i], want[width + i])] if len(want) == 2 * width else groups
+            bad = groups  # a checksum of another length: every group is in doubt
+            if len(want) == 2 * width:  # per group: the plain sum at i, the row-weighted one at width + i
+                bad = [g for i, g in enumerate(groups) if (got[i], got[width + i]) != (want[i], want[width + i])]
             raise DumpCorrupt(rid, self.dump_dir, f"piece {p.path.name} [{p.chunk_start},{p.chunk_end}): the values read "
                               f"differ from those the server checksummed at capture ({', '.join(bad)}): the copy to the "
                               f"host raced with later GPU work, or the file was damaged")

@@ -129,11 +129,11 @@ class InFlightLimit:
             self._cond.wait_for(lambda: self.stopped is not None or (
                 self._waiting[0] == ticket and self._requests < self.max_requests
                 and self._bytes + nbytes <= self.max_bytes))
-            self._waiting.remove(ticket)
-            heapq.heapify(self._waiting)
-            if self.stopped is not None:
-                self._cond.notify_all()
+            if self.stopped is not None:  # stop() woke every waiter
+                self._waiting.remove(ticket)
+                heapq.heapify(self._waiting)
                 raise ServerGone(self.stopped)
+            heapq.heappop(self._waiting)  # this ticket is the head
             self._requests += 1
             self._bytes += nbytes
             self._cond.notify_all()  # the next in line may fit as well

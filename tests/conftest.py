@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 import requests
 
+from infra.hosts import free_port
 from infra.tiny_model import build_tiny_model
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -78,12 +78,6 @@ class LocalServerProcess:
         return self.process.returncode
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def start_local_server(tmp_path_factory):
     """A function that starts the local server on a model and waits for ``/health``.
@@ -98,7 +92,7 @@ def start_local_server(tmp_path_factory):
     def start(model_dir: Path, *flags: str, api_key: str | None = None,
               ready_timeout: float = 120) -> LocalServerProcess:
         work = tmp_path_factory.mktemp("local_server")
-        port = _free_port()
+        port = free_port()
         argv = [sys.executable, "-m", "infra.local_server", "--model-path", str(model_dir),
                 "--port", str(port), "--dump-dir", str(work / "dumps"), *flags]
         if api_key:

@@ -118,7 +118,8 @@ def test_in_flight_bytes_wait_for_room_instead_of_overfilling_the_writer():
 
     first = threading.Thread(target=request, args=("first", 60, 0.3))
     first.start()
-    time.sleep(0.05)
+    while ("start", "first") not in events:  # the first request holds its place before the others ask
+        time.sleep(0.01)
     second = threading.Thread(target=request, args=("second", 60, 0))   # 120 > 100: waits
     huge = threading.Thread(target=request, args=("huge", 10_000, 0))   # larger than the budget: goes alone
     second.start()
@@ -163,11 +164,13 @@ def test_in_flight_places_go_to_the_earlier_batch_first():
 
     first = threading.Thread(target=request, args=(0, 0))
     first.start()
-    time.sleep(0.05)
+    while not order:  # batch 0 holds the only place before the others queue
+        time.sleep(0.01)
     waiting = [threading.Thread(target=request, args=(b, i)) for b, i in [(2, 0), (1, 0), (2, 1), (1, 1)]]
     for t in waiting:
         t.start()
-        time.sleep(0.02)
+    while len(limit._waiting) < len(waiting):  # all four queue behind batch 0 before it lets go
+        time.sleep(0.01)
     gate.set()
     for t in [first, *waiting]:
         t.join(5)
