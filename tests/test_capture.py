@@ -133,18 +133,22 @@ def test_in_flight_bytes_wait_for_room_instead_of_overfilling_the_writer():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_the_readers_fast_path_gives_the_gpus_integers(dtype):
-    """The GPU computes row sums with torch; the CPU reader through numpy: the same integers."""
-    from patches.dumps import _int_row_sums, all_finite
+    """The GPU computes row sums with torch; the CPU reader through numpy, block by block, with
+    its Inf/NaN test in the same pass: the same integers, and every non-finite value found."""
+    from patches.dumps import _SCAN_BLOCK_ROWS, _int_row_sums
 
-    aux, _, _ = forward_rows(50, seed=4, dtype=dtype)
-    packed = torch.cat(aux, dim=-1).reshape(50, len(LAYERS), H)
-    bits = packed.view({2: torch.int16, 4: torch.int32}[packed.element_size()])
-    assert torch.equal(_int_row_sums(bits), bits.sum(dim=-1, dtype=torch.int64))  # torch: the GPU's path
-    assert all_finite(packed)
-    for bad in (float("nan"), float("inf"), float("-inf")):
-        broken = packed.clone()
-        broken[7, 1, 3] = bad
-        assert not all_finite(broken)
+    rows = 3 * _SCAN_BLOCK_ROWS + 5  # a partial last block
+    aux, _, _ = forward_rows(rows, seed=4, dtype=dtype)
+    packed = torch.cat(aux, dim=-1).reshape(rows, len(LAYERS), H)
+    view = {2: torch.int16, 4: torch.int32}[packed.element_size()]
+    sums, finite = _int_row_sums(packed.view(view), dtype)
+    assert torch.equal(sums, packed.view(view).sum(dim=-1, dtype=torch.int64))  # torch: the GPU's path
+    assert finite
+    for row in (0, _SCAN_BLOCK_ROWS, rows - 1):
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            broken = packed.clone()
+            broken[row, 1, 3] = bad
+            assert not _int_row_sums(broken.view(view), dtype)[1], (row, bad)
 
 
 def test_in_flight_places_go_to_the_earlier_batch_first():
