@@ -91,7 +91,9 @@ def check_concurrent(args, tokenizer, model, layer_ids, facts) -> dict:
     stop, counts = threading.Event(), {}
     threads = background_traffic(args.url, stop, counts)
     t0 = time.monotonic()
-    written, failed = extract_samples(settings, DumpReader(args.dump_dir), samples, InFlightLimit(args.in_flight, 2 << 30))
+    written = []  # list.append is thread-safe; a check of this size fits in memory
+    failed = extract_samples(settings, DumpReader(args.dump_dir), samples, InFlightLimit(args.in_flight, 2 << 30),
+                             written.append)
     wall = time.monotonic() - t0
     stop.set()
     for t in threads:

@@ -8,12 +8,16 @@ RUN=${RUN:-/root/load}
 SITE=${SITE:-/root/site}
 MODEL=${MODEL:-/root/load-model}
 DUMPS=${DUMPS:-/dev/shm/eagle3}
-SHARDS=${SHARDS:-/root/shards}
+SHARDS=${SHARDS:-/root/shards}   # SHARDS_<run> for one run's own folder (e.g. SHARDS_2=/dev/shm/shards)
 SAMPLES=${SAMPLES:-1000}
 UNPATCHED=${UNPATCHED:-1}   # 0: skip the unpatched baseline
 RUNS=${RUNS:-1 2}           # patched server starts
 CONSUME=${CONSUME:-1}       # 0: no consume-only phase
 CHECK_EVERY=${CHECK_EVERY:-1}
+IN_FLIGHT=${IN_FLIGHT:-64}              # requests in flight (extract; consume unless CONSUME_IN_FLIGHT)
+CONSUME_IN_FLIGHT=${CONSUME_IN_FLIGHT:-$IN_FLIGHT}  # one consume phase per value
+BYTES_IN_FLIGHT=${BYTES_IN_FLIGHT:-3221225472}     # client's dump bytes in flight, under the writer's budget
+PATCH_FLAGS=${PATCH_FLAGS:-}            # e.g. --dump-writer-threads 12 --dump-max-pending-bytes 12884901888
 mkdir -p "$RUN" "$DUMPS"
 RESULTS=$RUN/results.jsonl
 log() { echo "[$(date +%T)] $*" | tee -a "$RUN/progress.log"; }
@@ -25,8 +29,8 @@ export PYTHONPATH=$SITE HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 SERVER_FLAGS=(--model-path "$MODEL" --port 30000 --attention-backend triton --sampling-backend pytorch
               --chunked-prefill-size 4096 --mem-fraction-static 0.6 --dtype bfloat16)
-COMMON=(--model-path "$MODEL" --dump-dir "$DUMPS" --samples "$SAMPLES" --in-flight 64 --results "$RESULTS"
-        --check-every "$CHECK_EVERY")
+COMMON=(--model-path "$MODEL" --dump-dir "$DUMPS" --samples "$SAMPLES" --results "$RESULTS"
+        --check-every "$CHECK_EVERY" --max-dump-bytes-in-flight "$BYTES_IN_FLIGHT")
 
 start() {  # start NAME CMD...: in its own process group, healthy within 400 s
     local name=$1; shift
@@ -48,14 +52,21 @@ phase() { log "phase $*"; python3 -m bench.sglang_load "$@" >> "$RUN/phases.log"
 
 if [ "$UNPATCHED" = 1 ]; then
     if start unpatched python3 -m sglang.launch_server "${SERVER_FLAGS[@]}"; then
-        phase prefill --label unpatched --seed 0 "${COMMON[@]}"
+        phase prefill --label unpatched --seed 0 --in-flight 64 "${COMMON[@]}"
     fi
     stop
 fi
 for run in $RUNS; do
-    if start "patched-$run" python3 -m patches.launch --dump-dir "$DUMPS" -- "${SERVER_FLAGS[@]}"; then
-        [ "$CONSUME" = 1 ] && [ "$run" = 1 ] && phase consume --label "patched-$run" --seed 1 "${COMMON[@]}"
-        phase extract --label "patched-$run" --seed $((run + 1)) --shards "$SHARDS" "${COMMON[@]}"
+    # shellcheck disable=SC2086  # PATCH_FLAGS is a list of flags
+    if start "patched-$run" python3 -m patches.launch --dump-dir "$DUMPS" $PATCH_FLAGS -- "${SERVER_FLAGS[@]}"; then
+        if [ "$CONSUME" = 1 ] && [ "$run" = 1 ]; then
+            for k in $CONSUME_IN_FLIGHT; do
+                phase consume --label "patched-$run" --seed 1 --in-flight "$k" "${COMMON[@]}"
+            done
+        fi
+        shards_var=SHARDS_$run
+        phase extract --label "patched-$run" --seed $((run + 1)) --shards "${!shards_var:-$SHARDS}" \
+            --in-flight "$IN_FLIGHT" "${COMMON[@]}"
         log "leftover dump files: $(ls "$DUMPS" | wc -l)"
     fi
     stop

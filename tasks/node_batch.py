@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import Sequence
 
 from patches.dumps import DumpReader
-from tasks.retrieval import ExpectedDump, InFlightLimit, RetrievalSettings, SampleFailure, extract_samples
+from tasks.retrieval import ExpectedDump, InFlightLimit, RetrievalSettings, SampleFailure, extract_batch
 from tasks.samples import PreparedSample
-from tasks.shards import list_shards, read_shard_index, write_shard
+from tasks.shards import list_shards, read_shard_index
 
 
 def job_json(settings: RetrievalSettings, dump_dir: str, shard_path: str, max_in_flight: int,
@@ -60,8 +60,8 @@ def extract_job(job: dict) -> dict:
         if done.exists():
             return {**json.loads(done.read_text()), "reused": True}
         limit = InFlightLimit(job["max_in_flight"], job["max_dump_bytes_in_flight"])
-        written, failed = extract_samples(settings, DumpReader(job["dump_dir"], settings.expected.instance), samples, limit)
-        shard = write_shard(shard_path, written, job["store_dtype"]) if written else None
+        shard, failed = extract_batch(settings, DumpReader(job["dump_dir"], settings.expected.instance), samples, limit,
+                                      shard_path, job["store_dtype"])
         result = {"shard": asdict(shard) if shard else None, "failures": [asdict(f) for f in failed]}
         tmp = done.with_name(f".{done.name}.tmp")
         tmp.write_text(json.dumps(result))

@@ -1,7 +1,8 @@
 """Content-matched retrieval: send a sample, find ITS dump by rid, verify it by content.
 
-The extraction core runs without Prefect: :func:`extract_samples` takes prepared
-samples and a server, and returns training samples and failures. Each attempt uses a
+The extraction core runs without Prefect: :func:`extract_batch` takes prepared samples
+and a server, writes the verified ones into a shard as they arrive and returns the
+shard's summary and the failures. Each attempt uses a
 fresh rid (sample key + attempt + nonce) and a unique ``extra_key`` so that neither the
 prefix cache nor an earlier attempt's leftovers can stand in for this request. A dump
 is accepted only if its pieces cover every prompt token exactly once with the
@@ -26,6 +27,7 @@ import torch
 
 from patches.dumps import DumpError, DumpReader
 from tasks.samples import PreparedSample, TrainingSample
+from tasks.shards import HIDDEN_DTYPES, ShardSummary, ShardWriter
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +148,31 @@ class InFlightLimit:
                 self._cond.notify_all()
 
 
+class StageTimes:
+    """Seconds the samples spent in each stage of an attempt, summed over samples (threads overlap:
+    the sum exceeds the wall time; the shares say where the time goes). Thread-safe."""
+
+    STAGES = ("server", "dump wait", "read and verify", "shard write")
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.seconds = dict.fromkeys(self.STAGES, 0.0)
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.seconds[name] += time.perf_counter() - start
+
+    def add(self, seconds: dict[str, float]) -> None:
+        with self._lock:
+            for name, value in seconds.items():
+                self.seconds[name] += value
+
+
 @dataclass(frozen=True)
 class RetrievalSettings:
     url: str
@@ -194,11 +221,14 @@ def send_generate(settings: RetrievalSettings, sample: PreparedSample, rid: str,
     return meta
 
 
-def fetch_dump(settings: RetrievalSettings, reader: DumpReader, sample: PreparedSample, rid: str) -> TrainingSample:
+def fetch_dump(settings: RetrievalSettings, reader: DumpReader, sample: PreparedSample, rid: str,
+               times: StageTimes) -> TrainingSample:
     """Wait for the rid's pieces, assemble and verify them."""
     try:
-        infos = reader.wait(rid, len(sample.input_ids), timeout=settings.dump_wait_s)
-        dump = reader.assemble(rid, sample.input_ids, infos)
+        with times.stage("dump wait"):
+            infos = reader.wait(rid, len(sample.input_ids), timeout=settings.dump_wait_s)
+        with times.stage("read and verify"):
+            dump = reader.assemble(rid, sample.input_ids, infos)
     except DumpError as exc:
         raise DumpUnusable(sample.sample_key, sample.source_id, f"{type(exc).__name__}: {exc}") from exc
     exp = settings.expected
@@ -214,18 +244,20 @@ def fetch_dump(settings: RetrievalSettings, reader: DumpReader, sample: Prepared
 
 
 def extract_one(settings: RetrievalSettings, reader: DumpReader, sample: PreparedSample, attempt: int,
-                session: requests.Session) -> TrainingSample:
+                session: requests.Session, times: StageTimes | None = None) -> TrainingSample:
     """One attempt: fresh rid, request, then the dump matched by that rid and the sample's ids.
 
     The rid's files are deleted however the attempt ends, pieces of a failed request included.
     """
     rid = new_rid(settings.rid_prefix, sample.sample_key, attempt)
+    times = times or StageTimes()
     try:
-        meta = send_generate(settings, sample, rid, session)
+        with times.stage("server"):
+            meta = send_generate(settings, sample, rid, session)
         if meta.get("prompt_tokens", len(sample.input_ids)) != len(sample.input_ids):
             raise DumpUnusable(sample.sample_key, sample.source_id,
                                f"server counted {meta.get('prompt_tokens')} prompt tokens, sent {len(sample.input_ids)}")
-        return fetch_dump(settings, reader, sample, rid)
+        return fetch_dump(settings, reader, sample, rid, times)
     except SampleError as exc:
         exc.attempt = attempt
         raise
@@ -234,18 +266,24 @@ def extract_one(settings: RetrievalSettings, reader: DumpReader, sample: Prepare
 
 
 def extract_with_retries(settings: RetrievalSettings, reader: DumpReader, sample: PreparedSample,
-                         session: requests.Session, limit: InFlightLimit,
-                         priority: int = 0) -> TrainingSample | SampleFailure:
+                         session: requests.Session, limit: InFlightLimit, write: Callable[[TrainingSample], None],
+                         priority: int = 0, times: StageTimes | None = None) -> SampleFailure | None:
     """Up to ``settings.attempts`` attempts with exponential backoff; permanent errors stop at once.
+    The extracted sample goes to ``write``; None means it was written.
 
-    Each attempt holds its place in ``limit``; the backoff between attempts does not.
+    Each attempt holds its place in ``limit`` until its sample is written (so the bytes a slow
+    writer holds count too); the backoff between attempts does not.
     """
     nbytes = len(sample.input_ids) * settings.expected.bytes_per_token
+    times = times or StageTimes()
     last: SampleError | None = None
     for i in range(settings.attempts):
         try:
             with limit.hold(nbytes, priority):
-                return extract_one(settings, reader, sample, i + 1, session)
+                extracted = extract_one(settings, reader, sample, i + 1, session, times)
+                with times.stage("shard write"):
+                    write(extracted)
+                return None
         except ServerGone as gone:
             return SampleFailure(sample.sample_key, sample.source_id, f"not sent: {gone}", "ServerUnavailable",
                                  True, i)
@@ -264,22 +302,36 @@ def extract_with_retries(settings: RetrievalSettings, reader: DumpReader, sample
 
 
 def extract_samples(settings: RetrievalSettings, reader: DumpReader, samples: Sequence[PreparedSample],
-                    limit: InFlightLimit, on_done: Callable[[], None] | None = None, priority: int = 0,
-                    ) -> tuple[list[TrainingSample], list[SampleFailure]]:
+                    limit: InFlightLimit, write: Callable[[TrainingSample], None],
+                    on_done: Callable[[], None] | None = None, priority: int = 0,
+                    times: StageTimes | None = None) -> list[SampleFailure]:
     """Extract a batch under ``limit`` (which other batches to the same server may share;
-    lower ``priority`` goes first). Results keep the input order."""
+    lower ``priority`` goes first). Each sample goes to ``write`` as soon as it is verified
+    (from several threads: a :class:`tasks.shards.ShardWriter`'s ``add``), so no batch is
+    held in memory. Returns the failures, in input order."""
     session = requests.Session()
     adapter = requests.adapters.HTTPAdapter(pool_maxsize=limit.max_requests)
     session.mount("http://", adapter)
 
-    def run(sample: PreparedSample) -> TrainingSample | SampleFailure:
-        result = extract_with_retries(settings, reader, sample, session, limit, priority)
+    def run(sample: PreparedSample) -> SampleFailure | None:
+        result = extract_with_retries(settings, reader, sample, session, limit, write, priority, times)
         if on_done is not None:
             on_done()
         return result
 
     with session, ThreadPoolExecutor(max_workers=limit.max_requests, thread_name_prefix="extract") as pool:
-        results = list(pool.map(run, samples))
-    written = [r for r in results if isinstance(r, TrainingSample)]
-    failed = [r for r in results if isinstance(r, SampleFailure)]
-    return written, failed
+        return [failure for failure in pool.map(run, samples) if failure is not None]
+
+
+def extract_batch(settings: RetrievalSettings, reader: DumpReader, samples: Sequence[PreparedSample],
+                  limit: InFlightLimit, shard_path, store_dtype: str | None = None,
+                  on_done: Callable[[], None] | None = None, priority: int = 0, times: StageTimes | None = None,
+                  ) -> tuple[ShardSummary | None, list[SampleFailure]]:
+    """A batch extracted straight into its shard (:class:`tasks.shards.ShardWriter`): the shard's
+    summary (None when every sample failed) and the failures. A shard that cannot be written
+    (a full disk) raises, naming it, and leaves nothing behind."""
+    exp = settings.expected
+    with ShardWriter(shard_path, samples, HIDDEN_DTYPES[exp.dtype], exp.hidden_size, len(exp.layer_ids),
+                     store_dtype) as shard:
+        failed = extract_samples(settings, reader, samples, limit, shard.add, on_done, priority, times)
+        return shard.close(), failed

@@ -29,28 +29,33 @@ layer are divided by ``scale = max|value| / 448`` (448: e4m3fn's largest finite 
 rounded to float8; ``value ~= float8 * scale`` (``dequantize_per_token``). Half the bytes of
 bf16; the reconstruction error is in the README.
 
-Shards appear atomically (a dot-named ``.tmp`` file in the same folder, then a rename), so a
-crash leaves either the whole shard or none. A sample key may sit in several shards (a rerun
+A batch's samples stream into its shard as they are verified (:class:`ShardWriter`; the
+layout is planned from the batch, so each sample's rows go to their place at once), so the
+extracting client never holds a batch. Shards appear atomically (a dot-named ``.tmp`` file in
+the same folder, then a rename), so a crash leaves either the whole shard or none. A sample key may sit in several shards (a rerun
 after a crash between the shard write and the manifest); consolidation keeps the copy in the
 first shard by name, so the choice does not change between reruns.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
+import math
 import os
+import struct
+import threading
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import xxhash
 from safetensors import SafetensorError, safe_open
 
-from patches.safetensors_stream import byte_view, write_safetensors
+from patches.safetensors_stream import SAFETENSORS_DTYPES, byte_view
 from tasks.dataset_version import SCHEMA_VERSION
-from tasks.samples import TrainingSample
+from tasks.samples import PreparedSample, TrainingSample
 
 SHARD_FORMAT = "eagle3-training-shard"
 SHARD_SUFFIX = ".safetensors"
@@ -92,64 +97,253 @@ class ShardSummary:
 
 
 def content_hash(*tensors: torch.Tensor) -> str:
-    """sha256 (32 hex chars) over each tensor's dtype, shape and bytes, in the order given."""
-    h = hashlib.sha256()
+    """xxh3-128 (32 hex chars) over each tensor's dtype, shape and bytes, in the order given.
+
+    It tells an up-to-date export file from a stale one, with no adversary to resist, so a
+    fast non-cryptographic hash: xxh3 hashes ~15 GB/s a thread where sha256 did 1.1, and the
+    shard writer hashes every byte a GPU node extracts (xxhash comes with SGLang).
+    """
+    h = xxhash.xxh3_128()
     for t in tensors:
         h.update(f"{t.dtype}{tuple(t.shape)};".encode())
         h.update(byte_view(t))
-    return h.hexdigest()[:32]
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class _Planned:
+    sample_key: str
+    source_id: str
+    tokens: int
+    num_supervised: int
+
+
+class ShardWriter:
+    """One shard, written as its samples arrive: from many threads, in any order.
+
+    The samples the shard is planned for are known up front (keys, token counts, masks), so
+    the file's layout is too: each sample's rows go straight to their place in every column
+    (``os.pwrite`` from the sample's own memory), and the sample can be dropped at once. A
+    batch's hidden states are never held together: the client's memory is bounded by what
+    is in flight, not by the batch size. The file is reserved whole at the start
+    (``posix_fallocate``): a full disk fails the batch before its samples are extracted.
+
+    ``close`` writes the header and renames the file into place, atomically. When planned
+    samples never arrived (they failed), the shard is compacted first: the present samples'
+    rows are copied into a new file by the kernel (``copy_file_range``), in plan order. A
+    shard's layout is the plan's order whatever the arrival order, so reruns give the same
+    file. Nothing added: no file, ``close`` returns None.
+    """
+
+    def __init__(self, path: Path | str, plan: Sequence[PreparedSample | TrainingSample], dtype: torch.dtype,
+                 hidden_size: int, num_taps: int, store_dtype: str | None = None):
+        self.path = Path(path)
+        if store_dtype is not None and store_dtype not in QUANTIZED_DTYPES:
+            raise TrainingSetError(f"shard {self.path}: unknown store dtype {store_dtype!r}; "
+                                   f"known: {list(QUANTIZED_DTYPES)}")
+        if dtype not in HIDDEN_DTYPES.values():
+            raise TrainingSetError(f"shard {self.path}: hidden states of dtype {dtype}; "
+                                   f"supported: {list(HIDDEN_DTYPES)}")
+        self.dtype, self.hidden, self.num_taps, self.store_dtype = dtype, hidden_size, num_taps, store_dtype
+        self._plan: dict[str, tuple[int, _Planned]] = {}
+        for s in plan:
+            if s.sample_key in self._plan:
+                raise InvalidSample(s.sample_key, self.path, "appears twice in one shard")
+            planned = _Planned(s.sample_key, s.source_id, len(s.input_ids), int(torch.as_tensor(s.loss_mask).sum()))
+            self._plan[s.sample_key] = (len(self._plan), planned)
+        if not self._plan:
+            raise TrainingSetError(f"shard {self.path}: no samples planned")
+        self._hashes: dict[str, str] = {}
+        self._lock = threading.Lock()
+        self._tmp = self.path.with_name(f".{self.path.name}.{uuid.uuid4().hex[:8]}.tmp")
+        self._layout = _Layout(self, [p for _, p in self._plan.values()])
+        self._fd = os.open(self._tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            os.posix_fallocate(self._fd, 0, self._layout.size)
+        except OSError as exc:
+            self.abort()
+            raise OSError(exc.errno, f"shard {self.path}: cannot reserve {self._layout.size} bytes: "
+                                     f"{exc.strerror}") from exc
+
+    def __enter__(self) -> "ShardWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()
+
+    def add(self, sample: TrainingSample) -> None:
+        """Write one planned sample's rows in place (thread-safe; any order)."""
+        index_planned = self._plan.get(sample.sample_key)
+        if index_planned is None:
+            raise InvalidSample(sample.sample_key, self.path, "was not planned for this shard")
+        index, planned = index_planned
+        _check_sample(self.path, sample, planned, self.dtype, self.hidden, self.hidden * self.num_taps)
+        stored = _stored_tensors(sample, self.store_dtype, self.num_taps)
+        parts = (sample.input_ids, sample.loss_mask, *stored)
+        digest = content_hash(*parts)
+        with self._lock:
+            if sample.sample_key in self._hashes:
+                raise InvalidSample(sample.sample_key, self.path, "added twice")
+            self._hashes[sample.sample_key] = ""  # claimed; its rows are being written
+        for (position, _), part in zip(self._layout.sample_ranges(index), parts):
+            _pwrite_all(self._fd, byte_view(part), position, self._tmp)
+        with self._lock:
+            self._hashes[sample.sample_key] = digest
+
+    def close(self) -> ShardSummary | None:
+        """Header, compaction if samples are missing, fsync, rename into place."""
+        try:
+            present = [p for _, p in self._plan.values() if self._hashes.get(p.sample_key)]
+            if not present:
+                self.abort()
+                return None
+            fd, tmp = self._fd, self._tmp
+            if len(present) < len(self._plan):
+                fd, tmp = self._compacted(present)
+            layout = _Layout(self, present)
+            header = layout.header([self._hashes[p.sample_key] for p in present])
+            _pwrite_all(fd, header, 0, tmp)
+            offsets = torch.tensor([0] + [p.tokens for p in present], dtype=torch.int64).cumsum(0)
+            _pwrite_all(fd, byte_view(offsets), layout.column_start["offsets"], tmp)
+            os.fsync(fd)
+            if fd != self._fd:
+                os.close(fd)
+            os.replace(tmp, self.path)
+        except BaseException:
+            self.abort()
+            raise
+        os.close(self._fd)
+        self._fd = -1
+        if tmp != self._tmp:
+            self._tmp.unlink(missing_ok=True)
+        return ShardSummary(str(self.path), len(present), layout.tokens, self.path.stat().st_size,
+                            [p.sample_key for p in present])
+
+    def abort(self) -> None:
+        """Drop the temporary file (a failed batch leaves nothing behind)."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        self._tmp.unlink(missing_ok=True)
+
+    def _compacted(self, present: list[_Planned]) -> tuple[int, Path]:
+        """A second temporary file holding only ``present``'s rows (the others failed)."""
+        full = self._layout
+        index = {p.sample_key: i for i, p in enumerate(full.samples)}
+        small = _Layout(self, present)
+        tmp = self._tmp.with_name(self._tmp.name.removesuffix(".tmp") + "-compact.tmp")
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            os.posix_fallocate(fd, 0, small.size)
+            for new_index, p in enumerate(present):
+                for (src, length), (dst, _) in zip(full.sample_ranges(index[p.sample_key]),
+                                                   small.sample_ranges(new_index)):
+                    _copy_range(self._fd, src, fd, dst, length, tmp)
+        except BaseException:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise
+        return fd, tmp
+
+
+class _Layout:
+    """Where every column, and every planned sample's rows in it, lie in the shard file."""
+
+    def __init__(self, shard: ShardWriter, samples: list[_Planned]):
+        self.samples = samples
+        self.tokens = sum(p.tokens for p in samples)
+        store = shard.dtype if shard.store_dtype is None else QUANTIZED_DTYPES[shard.store_dtype]
+        h, k = shard.hidden, shard.num_taps
+        # (name, dtype, shape of one token's row); offsets is the one column that is not per token
+        self.columns: list[tuple[str, torch.dtype, tuple[int, ...]]] = [
+            ("input_ids", torch.int64, ()), ("loss_mask", torch.int64, ()), ("offsets", torch.int64, ()),
+            ("aux_hidden_states", store, (k * h,)), ("final_hidden_states", store, (h,)),
+            ("prenorm_hidden_states", store, (h,))]
+        if shard.store_dtype is not None:
+            self.columns += [("aux_scales", torch.float32, (k,)), ("final_scales", torch.float32, (1,)),
+                             ("prenorm_scales", torch.float32, (1,))]
+        self.metadata = {"format": SHARD_FORMAT, "version": str(SCHEMA_VERSION), "dtype": _dtype_name(shard.dtype),
+                         "store_dtype": _dtype_name(store), "hidden_size": str(h), "aux_width": str(k * h)}
+        self.row_bytes = {name: math.prod(row) * dtype.itemsize for name, dtype, row in self.columns}
+        # The header's length does not depend on the hashes' values (32 hex chars each).
+        self.header_size = len(self.header(["0" * 32] * len(samples)))
+        self.column_start, cursor = {}, self.header_size
+        for name, _, _ in self.columns:
+            self.column_start[name] = cursor
+            cursor += self._column_bytes(name)
+        self.size = cursor
+        first_rows = [0]
+        for p in samples:
+            first_rows.append(first_rows[-1] + p.tokens)
+        self.first_row = first_rows
+
+    def _shape(self, name: str, row: tuple[int, ...]) -> list[int]:
+        return [len(self.samples) + 1] if name == "offsets" else [self.tokens, *row]
+
+    def _column_bytes(self, name: str) -> int:
+        return (len(self.samples) + 1) * 8 if name == "offsets" else self.tokens * self.row_bytes[name]
+
+    def header(self, hashes: list[str]) -> bytes:
+        """The 8-byte length and the JSON header (padded to 8 bytes, as safetensors writes it)."""
+        entries = [{"sample_key": p.sample_key, "source_id": p.source_id, "num_supervised": p.num_supervised,
+                    "content_hash": h} for p, h in zip(self.samples, hashes)]
+        header: dict = {"__metadata__": {**self.metadata, "samples": json.dumps(entries)}}
+        cursor = 0
+        for name, dtype, row in self.columns:
+            size = self._column_bytes(name)
+            header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": self._shape(name, row),
+                            "data_offsets": [cursor, cursor + size]}
+            cursor += size
+        data = json.dumps(header, separators=(",", ":")).encode()
+        data += b" " * (-(8 + len(data)) % 8)  # data starts 8-byte aligned
+        return struct.pack("<Q", len(data)) + data
+
+    def sample_ranges(self, index: int) -> list[tuple[int, int]]:
+        """(file offset, bytes) of sample ``index``'s rows in each per-token column, in column order."""
+        first, tokens = self.first_row[index], self.samples[index].tokens
+        return [(self.column_start[name] + first * self.row_bytes[name], tokens * self.row_bytes[name])
+                for name, _, _ in self.columns if name != "offsets"]
+
+
+def _pwrite_all(fd: int, data, offset: int, path: Path) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        try:
+            n = os.pwrite(fd, view, offset)
+        except OSError as exc:
+            raise OSError(exc.errno, f"writing shard {path}: {exc.strerror}") from exc
+        view, offset = view[n:], offset + n
+
+
+def _copy_range(src: int, src_offset: int, dst: int, dst_offset: int, length: int, path: Path) -> None:
+    while length:
+        try:
+            n = os.copy_file_range(src, dst, length, src_offset, dst_offset)
+        except OSError as exc:
+            raise OSError(exc.errno, f"compacting shard {path}: {exc.strerror}") from exc
+        if n == 0:
+            raise TrainingSetError(f"compacting shard {path}: the temporary file ended early")
+        src_offset, dst_offset, length = src_offset + n, dst_offset + n, length - n
 
 
 def write_shard(path: Path, samples: list[TrainingSample], store_dtype: str | None = None) -> ShardSummary:
-    """Write the samples as one shard, atomically. Returns what the shard holds.
-
-    The file is streamed tensor by tensor from the samples' own memory, so a batch's
-    hidden states are never held twice (torch.cat or safetensors' save would copy them).
-    ``store_dtype``: None stores the samples' dtype; "float8_e4m3fn" quantizes (module docstring).
-    """
+    """Write the samples as one shard, atomically (a :class:`ShardWriter` planned for them)."""
     path = Path(path)
     if not samples:
         raise TrainingSetError(f"shard {path}: no samples to write")
-    dtype, hidden, aux_width = _check_samples(path, samples)
-    if store_dtype is not None and store_dtype not in QUANTIZED_DTYPES:
-        raise TrainingSetError(f"shard {path}: unknown store dtype {store_dtype!r}; known: {list(QUANTIZED_DTYPES)}")
-    lengths = [int(s.input_ids.numel()) for s in samples]
-    offsets = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0)
-    total = int(offsets[-1])
-    stored = [_stored_tensors(s, store_dtype, aux_width // hidden) for s in samples]
-    # hashlib releases the GIL: hashing a batch on several cores keeps a shard write short
-    # (at H=4096 a batch of 100 is ~3.6 GB; one thread hashes ~1.4 GB/s)
-    with ThreadPoolExecutor(max_workers=min(8, len(samples)), thread_name_prefix="shard-hash") as pool:
-        hashes = list(pool.map(lambda st: content_hash(st[0].input_ids, st[0].loss_mask, *st[1]), zip(samples, stored)))
-    entries = [{"sample_key": s.sample_key, "source_id": s.source_id, "num_supervised": int(s.loss_mask.sum()),
-                "content_hash": h} for s, h in zip(samples, hashes)]
-    store = dtype if store_dtype is None else QUANTIZED_DTYPES[store_dtype]
-    metadata = {"format": SHARD_FORMAT, "version": str(SCHEMA_VERSION), "dtype": _dtype_name(dtype),
-                "store_dtype": _dtype_name(store), "hidden_size": str(hidden), "aux_width": str(aux_width),
-                "samples": json.dumps(entries)}
-    columns = [  # (name, dtype, shape, parts): parts are written back to back
-        ("input_ids", torch.int64, [total], [s.input_ids for s in samples]),
-        ("loss_mask", torch.int64, [total], [s.loss_mask for s in samples]),
-        ("offsets", torch.int64, [len(samples) + 1], [offsets]),
-        ("aux_hidden_states", store, [total, aux_width], [t[0] for t in stored]),
-        ("final_hidden_states", store, [total, hidden], [t[1] for t in stored]),
-        ("prenorm_hidden_states", store, [total, hidden], [t[2] for t in stored]),
-    ]
-    if store_dtype is not None:
-        columns += [("aux_scales", torch.float32, [total, aux_width // hidden], [t[3] for t in stored]),
-                    ("final_scales", torch.float32, [total, 1], [t[4] for t in stored]),
-                    ("prenorm_scales", torch.float32, [total, 1], [t[5] for t in stored])]
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            write_safetensors(f, columns, metadata)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return ShardSummary(str(path), len(samples), total, path.stat().st_size, [s.sample_key for s in samples])
+    first = samples[0]
+    hidden = first.final_hidden_states.shape[-1]
+    aux_width = first.aux_hidden_states.shape[-1]
+    if aux_width % hidden:
+        raise InvalidSample(first.sample_key, path, f"aux width {aux_width} is not a multiple of hidden size {hidden}")
+    with ShardWriter(path, samples, first.final_hidden_states.dtype, hidden, aux_width // hidden,
+                     store_dtype) as shard:
+        for s in samples:
+            shard.add(s)
+        summary = shard.close()
+    assert summary is not None
+    return summary
 
 
 def read_shard_index(path: Path | str) -> list[dict]:
@@ -228,38 +422,29 @@ def list_shards(version_dir: Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if p.name.endswith(SHARD_SUFFIX) and not p.name.startswith("."))
 
 
-def _check_samples(path: Path, samples: list[TrainingSample]) -> tuple[torch.dtype, int, int]:
-    first = samples[0]
-    dtype = first.final_hidden_states.dtype
-    if dtype not in HIDDEN_DTYPES.values():
-        raise InvalidSample(first.sample_key, path, f"hidden states of dtype {dtype}; supported: {list(HIDDEN_DTYPES)}")
-    hidden = first.final_hidden_states.shape[-1]
-    aux_width = first.aux_hidden_states.shape[-1]
-    if aux_width % hidden:
-        raise InvalidSample(first.sample_key, path, f"aux width {aux_width} is not a multiple of hidden size {hidden}")
-    seen: set[str] = set()
-    for s in samples:
-        def bad(reason: str) -> InvalidSample:
-            return InvalidSample(s.sample_key, path, reason)
-        if s.sample_key in seen:
-            raise bad("appears twice in one shard")
-        seen.add(s.sample_key)
-        t = s.input_ids.numel()
-        if t == 0 or s.input_ids.shape != (t,) or s.input_ids.dtype != torch.int64:
-            raise bad(f"input_ids must be int64 [T>0], got {s.input_ids.dtype} {tuple(s.input_ids.shape)}")
-        if s.loss_mask.shape != (t,) or s.loss_mask.dtype != torch.int64:
-            raise bad(f"loss_mask must be int64 [{t}], got {s.loss_mask.dtype} {tuple(s.loss_mask.shape)}")
-        if not bool(((s.loss_mask == 0) | (s.loss_mask == 1)).all()):
-            raise bad("loss_mask holds values other than 0 and 1")
-        if (s.final_hidden_states.shape != (t, hidden) or s.prenorm_hidden_states.shape != (t, hidden)
-                or s.aux_hidden_states.shape != (t, aux_width)):
-            raise bad(f"hidden states aux {tuple(s.aux_hidden_states.shape)} final {tuple(s.final_hidden_states.shape)}"
-                      f" pre-norm {tuple(s.prenorm_hidden_states.shape)} do not fit [{t}, {aux_width}] and "
-                      f"[{t}, {hidden}] (shapes of the shard's first sample)")
-        states = (s.aux_hidden_states, s.final_hidden_states, s.prenorm_hidden_states)
-        if any(x.dtype != dtype for x in states):
-            raise bad(f"hidden states of dtypes {'/'.join(str(x.dtype) for x in states)}, the shard's are {dtype}")
-    return dtype, hidden, aux_width
+def _check_sample(path: Path, s: TrainingSample, planned: _Planned, dtype: torch.dtype, hidden: int,
+                  aux_width: int) -> None:
+    def bad(reason: str) -> InvalidSample:
+        return InvalidSample(s.sample_key, path, reason)
+    t = s.input_ids.numel()
+    if t == 0 or s.input_ids.shape != (t,) or s.input_ids.dtype != torch.int64:
+        raise bad(f"input_ids must be int64 [T>0], got {s.input_ids.dtype} {tuple(s.input_ids.shape)}")
+    if t != planned.tokens:
+        raise bad(f"{t} tokens, planned with {planned.tokens}")
+    if s.loss_mask.shape != (t,) or s.loss_mask.dtype != torch.int64:
+        raise bad(f"loss_mask must be int64 [{t}], got {s.loss_mask.dtype} {tuple(s.loss_mask.shape)}")
+    if not bool(((s.loss_mask == 0) | (s.loss_mask == 1)).all()):
+        raise bad("loss_mask holds values other than 0 and 1")
+    if int(s.loss_mask.sum()) != planned.num_supervised:
+        raise bad(f"{int(s.loss_mask.sum())} supervised tokens, planned with {planned.num_supervised}")
+    if (s.final_hidden_states.shape != (t, hidden) or s.prenorm_hidden_states.shape != (t, hidden)
+            or s.aux_hidden_states.shape != (t, aux_width)):
+        raise bad(f"hidden states aux {tuple(s.aux_hidden_states.shape)} final {tuple(s.final_hidden_states.shape)}"
+                  f" pre-norm {tuple(s.prenorm_hidden_states.shape)} do not fit [{t}, {aux_width}] and "
+                  f"[{t}, {hidden}] (the shard's shapes)")
+    states = (s.aux_hidden_states, s.final_hidden_states, s.prenorm_hidden_states)
+    if any(x.dtype != dtype for x in states):
+        raise bad(f"hidden states of dtypes {'/'.join(str(x.dtype) for x in states)}, the shard's are {dtype}")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -21,7 +21,7 @@ from tasks.chat_template import TemplateVariables
 from tasks.prompts import PreparedPrompts, prepare_prompts
 from tasks.node_batch import failures_from_json, job_json
 from tasks.retrieval import (ConfigMismatch, InFlightLimit, PermanentFailure, RetrievalSettings, SampleError,
-                             SampleFailure, extract_one, extract_samples)
+                             SampleFailure, extract_batch, extract_one)
 from tasks.samples import PreparedSample
 from tasks.shards import ShardSummary, write_shard
 from tasks.training_set import DatasetInfo
@@ -47,13 +47,12 @@ def prepare_step(prompts: Path, tokenizer, max_length: int, on_overlong: str,
 def extract_batch_step(index: int, samples: list[PreparedSample], settings: RetrievalSettings, dump_dir: Path,
                        shard_path: Path, limit: InFlightLimit,
                        on_done: Callable[[], None] | None = None, store_dtype: str | None = None) -> BatchResult:
-    """Extract one batch and write its shard. A configuration mismatch fails the batch (and the run)."""
-    written, failed = extract_samples(settings, DumpReader(dump_dir, settings.expected.instance), samples, limit, on_done,
-                                      priority=index)
+    """Extract one batch into its shard. A configuration mismatch fails the batch (and the run)."""
+    shard, failed = extract_batch(settings, DumpReader(dump_dir, settings.expected.instance), samples, limit,
+                                  shard_path, store_dtype, on_done, priority=index)
     mismatch = next((f for f in failed if f.error == ConfigMismatch.__name__), None)
     if mismatch is not None:
         raise ConfigMismatch(mismatch.sample_key, mismatch.source_id, mismatch.reason)
-    shard = write_shard(shard_path, written, store_dtype) if written else None
     return BatchResult(index, shard, failed)
 
 

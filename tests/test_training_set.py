@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import pickle
+import random
 import resource
 import signal
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -18,7 +20,8 @@ import torch
 from safetensors.torch import load_file
 
 from tasks.samples import TrainingSample
-from tasks.shards import InvalidSample, ShardCorrupt, content_hash, list_shards, read_shard_index, write_shard
+from tasks.shards import (InvalidSample, ShardCorrupt, ShardWriter, content_hash, list_shards, read_shard_index,
+                          write_shard)
 from tasks.consolidation import MissingSamples, SchemaMismatch, consolidate
 from tasks.training_set import DatasetInfo, TrainingSetDataset, read_dataset_info
 
@@ -96,9 +99,60 @@ def test_write_shard_refuses_bad_samples_naming_them(tmp_path):
     assert list_shards(tmp_path) == []
 
 
+@pytest.mark.parametrize("store_dtype", [None, "float8_e4m3fn"])
+def test_samples_streamed_into_a_shard_in_any_order_give_the_shard_written_whole(tmp_path, store_dtype):
+    """A batch's samples go into its shard from many threads as they arrive; missing ones (they
+    failed) are compacted away. The file is byte for byte the shard of the present samples in plan
+    order, so neither arrival order nor failures change what a trainer reads."""
+    plan = [make_sample(f"k{i}", 3 + 5 * i, i) for i in range(12)]
+    failed = {"k0", "k5", "k11"}  # the first, a middle and the last sample
+    arrivals = [s for s in plan if s.sample_key not in failed]
+    random.Random(3).shuffle(arrivals)
+    streamed = shard_path(tmp_path / "streamed", "batch-0007")
+    with ShardWriter(streamed, plan, torch.bfloat16, HIDDEN, len(LAYERS), store_dtype) as shard:
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(shard.add, arrivals))
+        summary = shard.close()
+    whole = write_shard(shard_path(tmp_path / "whole", "batch-0007"),
+                        [s for s in plan if s.sample_key not in failed], store_dtype)
+    assert streamed.read_bytes() == Path(whole.path).read_bytes()
+    assert summary.sample_keys == [s.sample_key for s in plan if s.sample_key not in failed]
+    assert (summary.samples, summary.tokens) == (9, sum(len(s.input_ids) for s in plan if s.sample_key not in failed))
+    assert sorted(p.name for p in streamed.parent.iterdir()) == ["batch-0007.safetensors"]  # no temporary file left
+    # every sample all present: no compaction, the same bytes as written whole too
+    complete = shard_path(tmp_path / "complete", "batch-0007")
+    with ShardWriter(complete, plan, torch.bfloat16, HIDDEN, len(LAYERS), store_dtype) as shard:
+        for s in reversed(plan):
+            shard.add(s)
+        shard.close()
+    assert complete.read_bytes() == Path(write_shard(shard_path(tmp_path / "all", "batch-0007"), plan,
+                                                     store_dtype).path).read_bytes()
+
+
+def test_a_streamed_shard_refuses_strangers_and_leaves_nothing_when_empty_or_failed(tmp_path):
+    plan = [make_sample("a", 4, 1), make_sample("b", 6, 2)]
+    path = shard_path(tmp_path, "s")
+    with ShardWriter(path, plan, torch.bfloat16, HIDDEN, len(LAYERS)) as shard:
+        with pytest.raises(InvalidSample, match="'stranger'.*not planned"):
+            shard.add(make_sample("stranger", 4, 3))
+        with pytest.raises(InvalidSample, match="'a'.*5 tokens, planned with 4"):
+            shard.add(replace(make_sample("a", 5, 1)))
+        shard.add(plan[0])
+        with pytest.raises(InvalidSample, match="'a'.*added twice"):
+            shard.add(plan[0])
+        assert shard.close().sample_keys == ["a"]
+    with ShardWriter(path.with_name("none.safetensors"), plan, torch.bfloat16, HIDDEN, len(LAYERS)) as shard:
+        assert shard.close() is None  # every sample failed: no shard at all
+    with pytest.raises(RuntimeError, match="the batch broke"):
+        with ShardWriter(path.with_name("broken.safetensors"), plan, torch.bfloat16, HIDDEN, len(LAYERS)) as shard:
+            shard.add(plan[1])
+            raise RuntimeError("the batch broke")
+    assert [p.name for p in path.parent.iterdir()] == ["s.safetensors"]
+
+
 # Writes an old shard, then a bigger one over it under a file-size limit: first with SIGXFSZ
-# ignored (the write fails with an OSError, like a full disk), then with its default action,
-# which kills the process mid-write, like a crash.
+# ignored (reserving the file's space fails with an OSError, like a full disk), then with its
+# default action, which kills the process in the middle of the shard's write, like a crash.
 _CRASH_CHILD = textwrap.dedent("""
     import resource, signal, sys
     from pathlib import Path
@@ -113,7 +167,7 @@ _CRASH_CHILD = textwrap.dedent("""
     try:
         write_shard(path, big)
     except OSError as exc:
-        print("failed:", exc.errno, flush=True)
+        print("failed:", exc.errno, exc, flush=True)
     signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
     write_shard(path, big)
     print("not killed", flush=True)
@@ -127,12 +181,14 @@ def test_shard_write_is_atomic_on_error_and_on_crash(tmp_path):
                            capture_output=True, text=True, timeout=120)
     assert child.returncode == -signal.SIGXFSZ, child.stdout + child.stderr
     assert "failed: 27" in child.stdout  # EFBIG, raised and the temporary file removed
+    assert f"shard {path}: cannot reserve" in child.stdout  # the message names the shard
     # The old shard is whole and still the one under the name; the killed write left only
     # a dot-named temporary file, which no reader takes for a shard.
+    # (The writer reserves the whole file first, so the crash comes before any sample is written.)
     assert [r["sample_key"] for r in read_shard_index(path)] == ["old"]
     leftovers = [p for p in path.parent.iterdir() if p != path]
     assert len(leftovers) == 1 and leftovers[0].name.startswith(".s0.safetensors.")
-    assert leftovers[0].name.endswith(".tmp") and leftovers[0].stat().st_size > 0
+    assert leftovers[0].name.endswith(".tmp")
     assert list_shards(tmp_path) == [path]
     assert consolidate(tmp_path, make_info(), exports=()).samples == 1
     assert resource.getrlimit(resource.RLIMIT_FSIZE)[0] == resource.RLIM_INFINITY  # the limit stayed in the child
