@@ -2,8 +2,8 @@
 
     python -m bench.shard_memory [--batch-sizes 10 100 1000] [--hidden 1024] [--tokens 128]
 
-One transformers-engine server (a random model of ``--hidden`` width, 8 layers, so that the
-hidden states, not the compute, are what is big); per batch size, a fresh client process
+One transformers-engine server (a random model of ``--hidden`` width, 4 layers and a narrow MLP,
+so that the hidden states, not the compute, are what is big); per batch size, a fresh client process
 extracts one batch into one shard, two ways:
 
 - streamed: ``tasks.retrieval.extract_batch``, what the flow runs: each verified sample goes
@@ -31,13 +31,14 @@ import torch
 from bench.benchmark import RID_PREFIX
 from infra.server import ServerConfig, start_server
 from infra.tiny_model import build_tiny_model
-from patches.dumps import DumpReader, default_aux_layer_ids
-from tasks.dataset_version import read_model_facts
+from patches.dumps import DumpReader
+from tasks.dataset_version import ModelFacts, read_model_facts
 from tasks.retrieval import ExpectedDump, InFlightLimit, RetrievalSettings, extract_batch, extract_samples
 from tasks.samples import PreparedSample
 from tasks.shards import write_shard
 
 IN_FLIGHT = 8
+AUX_LAYERS = (1, 2, 3)  # of 4 layers: fewer layers than the EAGLE-3 default needs, less compute
 
 
 def random_samples(n: int, tokens: int, vocab: int, seed: int) -> list[PreparedSample]:
@@ -49,9 +50,8 @@ def random_samples(n: int, tokens: int, vocab: int, seed: int) -> list[PreparedS
 def client(args) -> None:
     """One batch, one way; prints a JSON line with the peak RSS."""
     facts = read_model_facts(args.model_path)
-    layers = default_aux_layer_ids(facts.num_layers)
     settings = RetrievalSettings(url=args.url, rid_prefix=RID_PREFIX,
-                                 expected=ExpectedDump(tuple(layers), facts.hidden_size, "float32"))
+                                 expected=ExpectedDump(AUX_LAYERS, facts.hidden_size, "float32"))
     samples = random_samples(args.batch_size, args.tokens, facts.vocab_size, seed=args.batch_size)
     reader, limit = DumpReader(args.dump_dir), InFlightLimit(IN_FLIGHT, 1 << 40)
     t0 = time.monotonic()
@@ -65,28 +65,14 @@ def client(args) -> None:
                       "shard_mb": shard.bytes / 1e6, "failed": len(failed), "wall_s": time.monotonic() - t0}))
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[10, 100, 1000])
-    ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
-    for name in ("--mode", "--url"):
-        ap.add_argument(name, help=argparse.SUPPRESS)
-    for name in ("--model-path", "--dump-dir", "--shard"):
-        ap.add_argument(name, type=Path, help=argparse.SUPPRESS)
-    ap.add_argument("--batch-size", type=int, help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    if args.client:
-        return client(args)
-
-    work = Path(tempfile.mkdtemp(prefix="eagle3-memory-"))
-    model_path = build_tiny_model(work / "model", layers=8, hidden=args.hidden, intermediate=256,
+def measure(args, work: Path) -> tuple[list[dict], ModelFacts]:
+    """One server; per batch size a streamed and a held client. Returns the rows and the model's facts."""
+    model_path = build_tiny_model(work / "model", layers=4, hidden=args.hidden, intermediate=64,
                                   heads=args.hidden // 64, kv_heads=args.hidden // 128)
     facts = read_model_facts(model_path)
-    per_token = 8 + (len(default_aux_layer_ids(facts.num_layers)) + 2) * facts.hidden_size * 4
-    server = start_server(ServerConfig(model_path=model_path, dump_dir=work / "dumps", rid_prefix=RID_PREFIX),
-                          work / "server.log")
+    per_token = 8 + (len(AUX_LAYERS) + 2) * facts.hidden_size * 4
+    server = start_server(ServerConfig(model_path=model_path, dump_dir=work / "dumps", rid_prefix=RID_PREFIX,
+                                       aux_layer_ids=AUX_LAYERS), work / "server.log")
     rows = []
     try:
         for n in args.batch_sizes:
@@ -107,6 +93,26 @@ def main(argv: list[str] | None = None) -> None:
             rows.append(row)
     finally:
         server.stop()
+    return rows, facts
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[10, 100, 1000])
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
+    for name in ("--mode", "--url"):
+        ap.add_argument(name, help=argparse.SUPPRESS)
+    for name in ("--model-path", "--dump-dir", "--shard"):
+        ap.add_argument(name, type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--batch-size", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.client:
+        return client(args)
+
+    with tempfile.TemporaryDirectory(prefix="eagle3-memory-") as folder:
+        rows, facts = measure(args, Path(folder))
     print(f"hidden {facts.hidden_size}, {facts.num_layers} layers, fp32, {args.tokens} tokens a sample, "
           f"{IN_FLIGHT} in flight, torch {torch.__version__}")
     print("| batch | hidden states (GB) | peak RSS streamed (MB) | peak RSS held (MB) | shard (MB) |")

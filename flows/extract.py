@@ -46,7 +46,7 @@ from tasks.exports import check_exports
 from tasks.chat_template import DEFAULT_ENABLE_THINKING, DEFAULT_TEMPLATE_DATE, TemplateVariables, template_hash
 from tasks.prompts import write_rejects
 from tasks.report import run_report
-from tasks.retrieval import ExpectedDump, InFlightLimit, RetrievalSettings, SampleError, SampleFailure
+from tasks.retrieval import ExpectedDump, InFlightLimit, RetrievalSettings, SampleError, SampleFailure, StageTimes
 from tasks.steps import (consolidate_step, extract_batch_step, node_batch_step, node_retry_sample_step, prepare_step,
                          retry_sample_step)
 from tasks.shards import list_shards, read_shard_index
@@ -387,10 +387,11 @@ def extract(params: ExtractParameters = ExtractParameters()) -> dict:
     failures: list[SampleFailure] = []
     new_tokens = 0
     extract_s = 0.0
+    stages = StageTimes()  # inside the extraction: where the samples' time went (the run report)
     mark = time.monotonic()
     if todo:
         new_tokens, failures, extract_s = run_extraction(params, model_path, out, vdir, run_id, todo,
-                                                         config.layer_ids, facts.hidden_size)
+                                                         config.layer_ids, facts.hidden_size, stages)
     else:
         log.info("nothing new to extract: all %d samples are in dataset version %s",
                  len(prepared.samples), config.fingerprint())
@@ -424,7 +425,8 @@ def extract(params: ExtractParameters = ExtractParameters()) -> dict:
                                       "reason": f.reason, "attempts": f.attempts} for f in failures])
     create_markdown_artifact(key="run-report", description=f"Run {run_id}: lengths, throughput, time",
                              markdown=run_report(summary, [len(s.input_ids) for s in todo
-                                                           if s.sample_key not in failed_keys], phases_s))
+                                                           if s.sample_key not in failed_keys], phases_s,
+                                                  stages.seconds))
     log.info("summary: %s", json.dumps(summary))
     if len(failures) > failure_budget(params, len(todo)):
         raise RunFailed(f"{len(failures)} of {len(todo)} samples failed, over the failure budget of "
@@ -434,10 +436,11 @@ def extract(params: ExtractParameters = ExtractParameters()) -> dict:
 
 
 def run_extraction(params: ExtractParameters, model_path: str, out: Path, vdir: Path, run_id: str,
-                   todo: list, layer_ids: tuple[int, ...], hidden_size: int) -> tuple[int, list[SampleFailure], float]:
+                   todo: list, layer_ids: tuple[int, ...], hidden_size: int,
+                   stages: StageTimes) -> tuple[int, list[SampleFailure], float]:
     """Start the server, extract every batch, retry stragglers, stop the server whatever happens."""
     if params.node.remote:
-        return run_node_extraction(params, model_path, out, vdir, run_id, todo, layer_ids, hidden_size)
+        return run_node_extraction(params, model_path, out, vdir, run_id, todo, layer_ids, hidden_size, stages)
     log = get_run_logger()
     dump_dir = out / "dumps"
     dump_dir.mkdir(parents=True, exist_ok=True)
@@ -452,7 +455,8 @@ def run_extraction(params: ExtractParameters, model_path: str, out: Path, vdir: 
                               ready_timeout_s=params.server.ready_timeout_s)
         try:
             settings = retrieval_settings(params, server, server.url, layer_ids, hidden_size)
-            new_tokens, failures, _ = extract_here(params, settings, server, dump_dir, vdir, f"{run_id}-{start}", todo)
+            new_tokens, failures, _ = extract_here(params, settings, server, dump_dir, vdir, f"{run_id}-{start}", todo,
+                                                   stages)
             return tokens + new_tokens, failures, time.monotonic() - started
         except ServerDied as died:
             tokens += died.tokens
@@ -471,7 +475,7 @@ def run_extraction(params: ExtractParameters, model_path: str, out: Path, vdir: 
 
 
 def extract_here(params: ExtractParameters, settings: RetrievalSettings, server: RunningServer, dump_dir: Path,
-                 vdir: Path, run_id: str, todo: list) -> tuple[int, list[SampleFailure], float]:
+                 vdir: Path, run_id: str, todo: list, stages: StageTimes) -> tuple[int, list[SampleFailure], float]:
     """Batches extracted by this machine (dumps in ``dump_dir``), shards written here.
 
     Raises ServerDied when the server exits meanwhile (what its batches wrote is kept). More
@@ -489,7 +493,7 @@ def extract_here(params: ExtractParameters, settings: RetrievalSettings, server:
         futures = [runner.submit(extract_batch_step, parameters=dict(
             index=i, samples=quote(batch), settings=settings, dump_dir=dump_dir,
             shard_path=vdir / "shards" / f"shard-{run_id}-{i:05d}.safetensors",
-            limit=limit, on_done=bar.update, store_dtype=params.store_dtype))
+            limit=limit, on_done=bar.update, store_dtype=params.store_dtype, times=stages))
             for i, batch in enumerate(batches)]
         size = {f.task_run_id: len(b) for f, b in zip(futures, batches)}
         samples_done = 0
@@ -562,7 +566,7 @@ def retrieval_settings(params: ExtractParameters, server: RunningServer, url: st
 
 
 def run_node_extraction(params: ExtractParameters, model_path: str, out: Path, vdir: Path, run_id: str,
-                        todo: list, layer_ids: tuple[int, ...], hidden_size: int,
+                        todo: list, layer_ids: tuple[int, ...], hidden_size: int, stages: StageTimes,
                         ) -> tuple[int, list[SampleFailure], float]:
     """A server on an SSH node. ``--shards-on node``: the batches run on the node too and the
     shards stay there. ``here``: requests go through a tunnel, dumps come over the connection
@@ -600,14 +604,15 @@ def run_node_extraction(params: ExtractParameters, model_path: str, out: Path, v
                 if params.node.shards_remote:
                     on_node = retrieval_settings(params, server, f"http://127.0.0.1:{server.port}",
                                                  layer_ids, hidden_size)
-                    return extract_on_node(params, node, on_node, dump_dir, node.version_dir(vdir.name), run_id, todo)
+                    return extract_on_node(params, node, on_node, dump_dir, node.version_dir(vdir.name), run_id, todo,
+                                           stages)
                 mirror_dir = out / "dumps" / f"from-{settings.host}-{server.port}"
                 DumpReader(mirror_dir).remove_stale(ttl_s=0)  # an earlier run's leftovers: nobody reads them
                 mirror = DumpMirror(node, dump_dir, mirror_dir, RID_PREFIX)
                 try:
                     return extract_here(params, retrieval_settings(params, server, server.url, layer_ids,
                                                                    hidden_size), server, mirror_dir, vdir, run_id,
-                                        todo)
+                                        todo, stages)
                 finally:
                     mirror.stop()
                     log.info("read %d dump files, %.1f MB, over SSH from %s (stream restarted %d times)",
@@ -623,7 +628,7 @@ def run_node_extraction(params: ExtractParameters, model_path: str, out: Path, v
 
 
 def extract_on_node(params: ExtractParameters, node: SshNode, settings: RetrievalSettings, dump_dir: str,
-                    node_vdir: str, run_id: str, todo: list) -> tuple[int, list[SampleFailure], float]:
+                    node_vdir: str, run_id: str, todo: list, stages: StageTimes) -> tuple[int, list[SampleFailure], float]:
     started = time.monotonic()
     batches = [todo[i:i + params.batch_size] for i in range(0, len(todo), params.batch_size)]
     runner = ThreadPoolTaskRunner(max_workers=params.concurrent_batches)
@@ -637,6 +642,8 @@ def extract_on_node(params: ExtractParameters, node: SshNode, settings: Retrieva
             future.wait()
             bar.update(len(batch))
         results = [f.result() for f in futures]
+    for r in results:
+        stages.add(r.stage_s)
     tokens = sum(r.shard.tokens for r in results if r.shard)
     retried, failures = retry_stragglers(params, [f for r in results for f in r.failures], todo,
                                          node_retry_sample_step, lambda n: (

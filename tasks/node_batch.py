@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Sequence
 
 from patches.dumps import DumpReader
-from tasks.retrieval import ExpectedDump, InFlightLimit, RetrievalSettings, SampleFailure, extract_batch
+from tasks.retrieval import ExpectedDump, InFlightLimit, RetrievalSettings, SampleFailure, StageTimes, extract_batch
 from tasks.samples import PreparedSample
 from tasks.shards import list_shards, read_shard_index
 
@@ -59,10 +59,11 @@ def extract_job(job: dict) -> dict:
         fcntl.flock(lock, fcntl.LOCK_EX)  # an earlier run of this batch (connection dropped) finishes first
         if done.exists():
             return {**json.loads(done.read_text()), "reused": True}
-        limit = InFlightLimit(job["max_in_flight"], job["max_dump_bytes_in_flight"])
+        limit, times = InFlightLimit(job["max_in_flight"], job["max_dump_bytes_in_flight"]), StageTimes()
         shard, failed = extract_batch(settings, DumpReader(job["dump_dir"], settings.expected.instance), samples, limit,
-                                      shard_path, job["store_dtype"])
-        result = {"shard": asdict(shard) if shard else None, "failures": [asdict(f) for f in failed]}
+                                      shard_path, job["store_dtype"], times=times)
+        result = {"shard": asdict(shard) if shard else None, "failures": [asdict(f) for f in failed],
+                  "stage_s": times.seconds}
         tmp = done.with_name(f".{done.name}.tmp")
         tmp.write_text(json.dumps(result))
         os.replace(tmp, done)

@@ -25,9 +25,11 @@ def length_histogram(lengths: Sequence[int]) -> list[tuple[str, int]]:
     return rows
 
 
-def run_report(summary: dict, lengths: Sequence[int], phases_s: dict[str, float]) -> str:
-    """Markdown: the summary's throughput, a histogram of this run's sample lengths (tokens) and
-    the run's wall time by phase."""
+def run_report(summary: dict, lengths: Sequence[int], phases_s: dict[str, float],
+               stages_s: dict[str, float] | None = None) -> str:
+    """Markdown: the summary's throughput, a histogram of this run's sample lengths (tokens), the
+    run's wall time by phase and, inside the extraction, the samples' time by stage
+    (``tasks.retrieval.StageTimes``: summed over samples, which overlap)."""
     tokens, seconds = summary["tokens_this_run"], phases_s.get("extraction", 0.0)
     lines = [f"# Run {summary['run']}: dataset version {summary['version']}", "",
              f"{summary['written_this_run']} samples written this run ({summary['failed']} failed, "
@@ -49,4 +51,13 @@ def run_report(summary: dict, lengths: Sequence[int], phases_s: dict[str, float]
     total = sum(phases_s.values())
     lines += ["", "## Where the time went", "", "| phase | seconds | share |", "|---|---:|---:|"]
     lines += [f"| {name} | {s:,.2f} | {100 * s / total if total else 0:.0f}% |" for name, s in phases_s.items()]
+    samples = summary["written_this_run"]
+    stage_total = sum((stages_s or {}).values())
+    if stage_total > 0 and samples:
+        lines += ["", "### Inside the extraction, per sample", "",
+                  "Samples run side by side, so these add up to more than the wall time; the shares "
+                  "say what a sample waited on: the server's forward, its dump landing, reading and "
+                  "verifying the dump, writing it into the shard.", "",
+                  "| stage | seconds a sample | share |", "|---|---:|---:|"]
+        lines += [f"| {name} | {s / samples:,.3f} | {100 * s / stage_total:.0f}% |" for name, s in stages_s.items()]
     return "\n".join(lines) + "\n"

@@ -21,7 +21,7 @@ from tasks.chat_template import TemplateVariables
 from tasks.prompts import PreparedPrompts, prepare_prompts
 from tasks.node_batch import failures_from_json, job_json
 from tasks.retrieval import (ConfigMismatch, InFlightLimit, PermanentFailure, RetrievalSettings, SampleError,
-                             SampleFailure, extract_batch, extract_one)
+                             SampleFailure, StageTimes, extract_batch, extract_one)
 from tasks.samples import PreparedSample
 from tasks.shards import ShardSummary, write_shard
 from tasks.training_set import DatasetInfo
@@ -32,6 +32,8 @@ class BatchResult:
     index: int
     shard: ShardSummary | None
     failures: list[SampleFailure] = field(default_factory=list)
+    #: seconds its samples spent per stage (tasks.retrieval.StageTimes), from a node's batch
+    stage_s: dict[str, float] = field(default_factory=dict)
 
 
 @task(name="prepare-prompts", cache_policy=NO_CACHE)
@@ -46,10 +48,11 @@ def prepare_step(prompts: Path, tokenizer, max_length: int, on_overlong: str,
 @task(name="extract-batch", task_run_name="batch-{index:04d}", cache_policy=NO_CACHE)
 def extract_batch_step(index: int, samples: list[PreparedSample], settings: RetrievalSettings, dump_dir: Path,
                        shard_path: Path, limit: InFlightLimit,
-                       on_done: Callable[[], None] | None = None, store_dtype: str | None = None) -> BatchResult:
+                       on_done: Callable[[], None] | None = None, store_dtype: str | None = None,
+                       times: StageTimes | None = None) -> BatchResult:
     """Extract one batch into its shard. A configuration mismatch fails the batch (and the run)."""
     shard, failed = extract_batch(settings, DumpReader(dump_dir, settings.expected.instance), samples, limit,
-                                  shard_path, store_dtype, on_done, priority=index)
+                                  shard_path, store_dtype, on_done, priority=index, times=times)
     mismatch = next((f for f in failed if f.error == ConfigMismatch.__name__), None)
     if mismatch is not None:
         raise ConfigMismatch(mismatch.sample_key, mismatch.source_id, mismatch.reason)
@@ -101,7 +104,7 @@ def node_batch_step(index: int, samples: list[PreparedSample], settings: Retriev
     if mismatch is not None:
         raise ConfigMismatch(mismatch.sample_key, mismatch.source_id, mismatch.reason)
     shard = ShardSummary(**result["shard"]) if result["shard"] else None
-    return BatchResult(index, shard, failed)
+    return BatchResult(index, shard, failed, result["stage_s"])
 
 
 @task(name="retry-sample-on-node", task_run_name="sample-{sample.source_id}", cache_policy=NO_CACHE,

@@ -23,6 +23,7 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 from flows.extract import REPO, ExtractParameters
 from infra.server import free_port
 from tasks.prompts import prompt_files
+from tasks.retrieval import StageTimes
 from tests.test_flow import conversations, write_jsonl
 
 PREFECT = str(Path(sys.executable).parent / "prefect")
@@ -106,6 +107,8 @@ def test_deployed_extraction_runs_through_a_worker(deployed, tiny_model_dir, tmp
     assert f"{summary['tokens_this_run']:,} tokens" in report.data
     for phase in ("model and tokenizer", "prompt preparation", "extraction", "consolidation and exports"):
         assert f"| {phase} | " in report.data
+    for stage in StageTimes.STAGES:  # inside the extraction: what the samples waited on
+        assert f"| {stage} | " in report.data
 
 
 def test_a_second_nightly_trigger_while_one_runs_is_cancelled(deployed, tiny_model_dir, tmp_path):

@@ -20,6 +20,14 @@ def test_report_states_throughput_lengths_and_where_time_went():
     assert "min 20, median 200, max 617" in report
     assert "| extraction | 6.00 | 75% |" in report and "| prompt preparation | 1.00 | 12% |" in report
     assert "6 samples written this run (1 failed, 2 already present, 0 duplicates, 3 rejected), 1,200 tokens" in report
+    assert "Inside the extraction" not in report  # no stage times given
+
+
+def test_report_splits_the_extraction_by_stage_per_sample():
+    stages = {"server": 3.0, "dump wait": 0.6, "read and verify": 1.2, "shard write": 1.2}
+    report = run_report(SUMMARY, [20, 30], {"extraction": 6.0}, stages)
+    assert "| server | 0.500 | 50% |" in report and "| dump wait | 0.100 | 10% |" in report
+    assert "| read and verify | 0.200 | 20% |" in report and "| shard write | 0.200 | 20% |" in report
 
 
 def test_a_run_with_nothing_new_says_so():
