@@ -426,12 +426,14 @@ def extract(params: ExtractParameters = ExtractParameters()) -> dict:
         raise RuntimeError(f"sample accounting is off: {prepared.rows_in} rows in, {accounted} accounted for "
                            f"({summary})")
     record_run(vdir, run_id, summary, failures)
-    create_table_artifact(key="extraction-summary", table=[summary],
+    # The UI's tables do not wrap and scroll sideways: counts first, long ids and paths last.
+    create_table_artifact(key="extraction-summary", table=[dict(sorted(
+        summary.items(), key=lambda item: item[0] in ("run", "version", "version_dir")))],
                           description=f"Dataset version {config.fingerprint()} in {vdir}")
     if failures:
         create_table_artifact(key="failed-samples", description="Samples that failed every attempt",
-                              table=[{"source_id": f.source_id, "sample_key": f.sample_key, "error": f.error,
-                                      "reason": f.reason, "attempts": f.attempts} for f in failures])
+                              table=[{"source_id": f.source_id, "error": f.error, "attempts": f.attempts,
+                                      "reason": f.reason, "sample_key": f.sample_key} for f in failures])
     create_markdown_artifact(key="run-report", description=f"Run {run_id}: lengths, throughput, time",
                              markdown=run_report(summary, [len(s.input_ids) for s in todo
                                                            if s.sample_key not in failed_keys], phases_s))
