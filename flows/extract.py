@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import socket
 import sys
 import threading
 import time
@@ -36,6 +37,7 @@ from transformers import AutoTokenizer
 
 from flows.cli import ModelCli
 from infra.node_block import SshNodeBlock
+from infra.node_slot import node_slot
 from infra.server import RunningServer, ServerConfig, start_server
 from infra.hosts import redact_command
 from infra.ssh import DumpMirror, NodeCommandFailed, SshError, SshHost, SshNode, SshSettings, parse_node_url
@@ -132,6 +134,10 @@ class NodeOptions(BaseModel):
     @property
     def shards_remote(self) -> bool:
         return self.remote and self.shards_on != "here"
+
+    def host_name(self) -> str:
+        """The machine the server runs on, as its concurrency limit is named (infra/node_slot.py)."""
+        return self.ssh_settings().host if self.remote else socket.gethostname()
 
     def ssh_settings(self) -> SshSettings:
         if self.block:
@@ -390,8 +396,12 @@ def extract(params: ExtractParameters = ExtractParameters()) -> dict:
     stages = StageTimes()  # inside the extraction: where the samples' time went (the run report)
     mark = time.monotonic()
     if todo:
-        new_tokens, failures, extract_s = run_extraction(params, model_path, out, vdir, run_id, todo,
-                                                         config.layer_ids, facts.hidden_size, stages)
+        # One run at a time on a node, when its limit exists (README: "Runs sharing a GPU node").
+        with node_slot(params.node.host_name(), params.node.lease_timeout_s) as waited_s:
+            phases_s["waiting for the node"] = waited_s
+            mark = time.monotonic()
+            new_tokens, failures, extract_s = run_extraction(params, model_path, out, vdir, run_id, todo,
+                                                             config.layer_ids, facts.hidden_size, stages)
     else:
         log.info("nothing new to extract: all %d samples are in dataset version %s",
                  len(prepared.samples), config.fingerprint())
@@ -417,12 +427,14 @@ def extract(params: ExtractParameters = ExtractParameters()) -> dict:
         raise RuntimeError(f"sample accounting is off: {prepared.rows_in} rows in, {accounted} accounted for "
                            f"({summary})")
     record_run(vdir, run_id, summary, failures)
-    create_table_artifact(key="extraction-summary", table=[summary],
+    # The UI's tables do not wrap and scroll sideways: counts first, long ids and paths last.
+    create_table_artifact(key="extraction-summary", table=[dict(sorted(
+        summary.items(), key=lambda item: item[0] in ("run", "version", "version_dir")))],
                           description=f"Dataset version {config.fingerprint()} in {vdir}")
     if failures:
         create_table_artifact(key="failed-samples", description="Samples that failed every attempt",
-                              table=[{"source_id": f.source_id, "sample_key": f.sample_key, "error": f.error,
-                                      "reason": f.reason, "attempts": f.attempts} for f in failures])
+                              table=[{"source_id": f.source_id, "error": f.error, "attempts": f.attempts,
+                                      "reason": f.reason, "sample_key": f.sample_key} for f in failures])
     create_markdown_artifact(key="run-report", description=f"Run {run_id}: lengths, throughput, time",
                              markdown=run_report(summary, [len(s.input_ids) for s in todo
                                                            if s.sample_key not in failed_keys], phases_s,
@@ -486,22 +498,13 @@ def extract_here(params: ExtractParameters, settings: RetrievalSettings, server:
     batches = [todo[i:i + params.batch_size] for i in range(0, len(todo), params.batch_size)]
     limit = InFlightLimit(params.max_in_flight, params.max_dump_bytes_in_flight)
     runner = ThreadPoolTaskRunner(max_workers=params.concurrent_batches)
-    # The UI's view of the terminal bar: updated as each batch task finishes.
-    progress = create_progress_artifact(0.0, key="extraction-progress",
-                                        description=progress_text(0, len(batches), 0, len(todo)))
     with tqdm(total=len(todo), unit="sample", desc="extracting") as bar, runner, ServerWatch(server, limit):
         futures = [runner.submit(extract_batch_step, parameters=dict(
             index=i, samples=quote(batch), settings=settings, dump_dir=dump_dir,
             shard_path=vdir / "shards" / f"shard-{run_id}-{i:05d}.safetensors",
             limit=limit, on_done=bar.update, store_dtype=params.store_dtype, times=stages))
             for i, batch in enumerate(batches)]
-        size = {f.task_run_id: len(b) for f, b in zip(futures, batches)}
-        samples_done = 0
-        for n, future in enumerate(as_completed(futures), start=1):
-            samples_done += size[future.task_run_id]
-            update_progress_artifact(progress, 100.0 * samples_done / len(todo),
-                                     description=progress_text(n, len(batches), samples_done, len(todo)))
-        results = [f.result() for f in futures]
+        results = batch_results(futures, batches)
     tokens = sum(r.shard.tokens for r in results if r.shard)
     if limit.stopped is not None or not server.process.alive():
         raise ServerDied(limit.stopped or f"the server on {server.host.name} exited", tokens)
@@ -510,6 +513,23 @@ def extract_here(params: ExtractParameters, settings: RetrievalSettings, server:
                                                     vdir / "shards" / f"shard-{run_id}-retry-{n:05d}.safetensors",
                                                     params.store_dtype))
     return tokens + retried, failures, time.monotonic() - started
+
+
+def batch_results(futures: list, batches: list[list], on_batch: Callable[[int], Any] | None = None) -> list:
+    """The batch tasks' results, in batch order. As each finishes, the progress artifact (the UI's
+    view of the terminal bar) moves, and ``on_batch(samples in it)`` is called."""
+    samples = sum(map(len, batches))
+    progress = create_progress_artifact(0.0, key="extraction-progress",
+                                        description=progress_text(0, len(batches), 0, samples))
+    size = {f.task_run_id: len(b) for f, b in zip(futures, batches)}
+    samples_done = 0
+    for n, future in enumerate(as_completed(futures), start=1):
+        samples_done += size[future.task_run_id]
+        if on_batch:
+            on_batch(size[future.task_run_id])
+        update_progress_artifact(progress, 100.0 * samples_done / samples,
+                                 description=progress_text(n, len(batches), samples_done, samples))
+    return [f.result() for f in futures]
 
 
 def progress_text(batches_done: int, batches: int, samples_done: int, samples: int) -> str:
@@ -638,10 +658,7 @@ def extract_on_node(params: ExtractParameters, node: SshNode, settings: Retrieva
             shard_path=f"{node_vdir}/shards/shard-{run_id}-{i:05d}.safetensors", max_in_flight=params.max_in_flight,
             max_dump_bytes_in_flight=params.max_dump_bytes_in_flight, store_dtype=params.store_dtype))
             for i, batch in enumerate(batches)]
-        for batch, future in zip(batches, futures):
-            future.wait()
-            bar.update(len(batch))
-        results = [f.result() for f in futures]
+        results = batch_results(futures, batches, on_batch=bar.update)
     for r in results:
         stages.add(r.stage_s)
     tokens = sum(r.shard.tokens for r in results if r.shard)

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import polars as pl
 import pytest
+from prefect import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
 from transformers import AutoTokenizer
 
 from flows.extract import REPO, ExtractParameters, NodeNotReady, NodeOptions, ServerOptions, extract
@@ -66,8 +68,15 @@ def test_flow_extracts_on_the_node_and_fetches_verified_shards(prefect_api, sshd
     params = ExtractParameters(prompts=str(prompts), model_path=str(tiny_model_dir), out=str(tmp_path / "out"),
                                batch_size=5, server=ServerOptions(chunked_prefill_size=24), exports=["specforge"],
                                node=node_options(sshd, workdir))
-    summary = extract(params)
+    state = extract(params, return_state=True)
+    summary = state.result()
     assert (summary["written"], summary["failed"], summary["rows_in"]) == (12, 0, 12)
+    with get_client(sync_client=True) as client:
+        (progress,) = client.read_artifacts(artifact_filter=ArtifactFilter(
+            key=ArtifactFilterKey(any_=["extraction-progress"]),
+            flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id])))
+    assert (progress.data, progress.description) == (100.0, "3 of 3 batches finished (12 of 12 samples)")
+    assert progress.updated > progress.created, "the node's batches did not move the progress artifact"
     vdir = Path(summary["version_dir"])
     node_vdir = workdir / "versions" / vdir.name
     assert len(list((node_vdir / "shards").glob("*.safetensors"))) == 3, "the shards were not written on the node"
