@@ -36,19 +36,20 @@ from transformers import AutoTokenizer
 
 from flows.cli import ModelCli
 from infra.node_block import SshNodeBlock
-from infra.server import RunningServer, ServerConfig, start_server
+from infra.server import RunningServer, ServerConfig, ServerWatch, start_server
 from infra.hosts import redact_command
 from infra.ssh import DumpMirror, NodeCommandFailed, SshError, SshHost, SshNode, SshSettings, parse_node_url
 from infra.tiny_model import build_tiny_model
 from patches.dumps import DumpReader
+from tasks.accounting import reconcile
 from tasks.dataset_version import ModelFacts, extraction_config, read_model_facts, version_dir
 from tasks.exports import check_exports
 from tasks.chat_template import DEFAULT_ENABLE_THINKING, DEFAULT_TEMPLATE_DATE, TemplateVariables, template_hash
 from tasks.prompts import write_rejects
 from tasks.report import run_report
 from tasks.retrieval import ExpectedDump, InFlightLimit, RetrievalSettings, SampleError, SampleFailure
-from tasks.steps import (consolidate_step, extract_batch_step, node_batch_step, node_retry_sample_step, prepare_step,
-                         retry_sample_step)
+from tasks.steps import (BatchResult, consolidate_step, extract_batch_step, node_batch_step, node_retry_sample_step,
+                         prepare_step, retry_sample_step)
 from tasks.shards import list_shards, read_shard_index
 from tasks.training_set import DatasetInfo
 from tasks.vocab_mapping import draft_vocab_size_for
@@ -83,6 +84,10 @@ class ServerOptions(BaseModel):
                                                   "read from a file, never from argv.")
     ready_timeout_s: float = Field(300.0, title="Start-up timeout (s)", gt=0, le=86400,
                                    description="How long to wait for the server's /health before giving up.")
+    health_timeout_s: float = Field(30.0, title="Health-check timeout (s)", gt=0, le=3600,
+                                    description="While batches run the server's /health is checked; unanswered "
+                                                "within this twice in a row, the server is hung: it is killed and "
+                                                "restarted (--server-restarts). Above SGLang's own 20 s.")
     extra_args: list[str] = Field([], title="More server flags",
                                   description="Passed to the server as they are (after -- on the command line).")
 
@@ -219,7 +224,7 @@ TOKENIZER_FILES = ("config.json", "generation_config.json", "tokenizer.json", "t
 
 
 class ServerDied(RuntimeError):
-    """The run's server exited while batches were running."""
+    """The run's server exited, or hung and was killed, while batches were running."""
 
     def __init__(self, reason: str, tokens: int):
         self.tokens = tokens  # written before it died
@@ -228,31 +233,6 @@ class ServerDied(RuntimeError):
 
 class RunFailed(RuntimeError):
     """The run could not produce what it was asked for (failure budget, a server that keeps dying)."""
-
-
-class ServerWatch:
-    """Polls the server process while batches run; when it exits, stops ``limit`` so that no
-    sample waits through its retries for a server that is gone."""
-
-    def __init__(self, server: RunningServer, limit: InFlightLimit, interval_s: float = 1.0):
-        self.server, self.limit, self.interval_s = server, limit, interval_s
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="server-watch", daemon=True)
-
-    def __enter__(self) -> "ServerWatch":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._done.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        while not self._done.wait(self.interval_s):
-            if not self.server.process.alive():
-                self.limit.stop(f"the server on {self.server.host.name} port {self.server.port} exited "
-                                f"(log {self.server.log_path})")
-                return
 
 
 def failure_budget(params: ExtractParameters, samples: int) -> int:
@@ -411,11 +391,9 @@ def extract(params: ExtractParameters = ExtractParameters()) -> dict:
         "tokens_per_s": round(new_tokens / extract_s, 1) if extract_s else 0.0,
         "wall_s": round(time.monotonic() - started, 2),
     }
-    accounted = summary["written"] + summary["duplicates"] + summary["rejected"] + summary["failed"]
-    if accounted != prepared.rows_in:
-        raise RuntimeError(f"sample accounting is off: {prepared.rows_in} rows in, {accounted} accounted for "
-                           f"({summary})")
-    record_run(vdir, run_id, summary, failures)
+    record = record_run(vdir, run_id, summary, failures)
+    # Read back from the files, not derived from each other: a lost or extra sample is named here.
+    reconcile(vdir, prepared, record, shards_here=not params.node.shards_remote or params.node.fetch)
     create_table_artifact(key="extraction-summary", table=[summary],
                           description=f"Dataset version {config.fingerprint()} in {vdir}")
     if failures:
@@ -485,19 +463,24 @@ def extract_here(params: ExtractParameters, settings: RetrievalSettings, server:
     # The UI's view of the terminal bar: updated as each batch task finishes.
     progress = create_progress_artifact(0.0, key="extraction-progress",
                                         description=progress_text(0, len(batches), 0, len(todo)))
-    with tqdm(total=len(todo), unit="sample", desc="extracting") as bar, runner, ServerWatch(server, limit):
-        futures = [runner.submit(extract_batch_step, parameters=dict(
-            index=i, samples=quote(batch), settings=settings, dump_dir=dump_dir,
-            shard_path=vdir / "shards" / f"shard-{run_id}-{i:05d}.safetensors",
-            limit=limit, on_done=bar.update, store_dtype=params.store_dtype))
-            for i, batch in enumerate(batches)]
-        size = {f.task_run_id: len(b) for f, b in zip(futures, batches)}
-        samples_done = 0
-        for n, future in enumerate(as_completed(futures), start=1):
-            samples_done += size[future.task_run_id]
-            update_progress_artifact(progress, 100.0 * samples_done / len(todo),
-                                     description=progress_text(n, len(batches), samples_done, len(todo)))
-        results = [f.result() for f in futures]
+    shard_paths = [vdir / "shards" / f"shard-{run_id}-{i:05d}.safetensors" for i in range(len(batches))]
+    watch = ServerWatch(server, limit.stop, health_timeout_s=params.server.health_timeout_s)
+    with tqdm(total=len(todo), unit="sample", desc="extracting") as bar, runner, watch:
+        try:
+            futures = [runner.submit(extract_batch_step, parameters=dict(
+                index=i, samples=quote(batch), settings=settings, dump_dir=dump_dir, shard_path=shard_paths[i],
+                limit=limit, on_done=bar.update, store_dtype=params.store_dtype))
+                for i, batch in enumerate(batches)]
+            size = {f.task_run_id: len(b) for f, b in zip(futures, batches)}
+            samples_done = 0
+            for n, future in enumerate(as_completed(futures), start=1):
+                samples_done += size[future.task_run_id]
+                update_progress_artifact(progress, 100.0 * samples_done / len(todo),
+                                         description=progress_text(n, len(batches), samples_done, len(todo)))
+        except BaseException as exc:  # Ctrl-C: nothing more is sent; the runner waits only for requests in flight
+            limit.stop(f"the run was interrupted ({type(exc).__name__})")
+            raise
+        results = [batch_result(f, path) for f, path in zip(futures, shard_paths)]
     tokens = sum(r.shard.tokens for r in results if r.shard)
     if limit.stopped is not None or not server.process.alive():
         raise ServerDied(limit.stopped or f"the server on {server.host.name} exited", tokens)
@@ -506,6 +489,20 @@ def extract_here(params: ExtractParameters, settings: RetrievalSettings, server:
                                                     vdir / "shards" / f"shard-{run_id}-retry-{n:05d}.safetensors",
                                                     params.store_dtype))
     return tokens + retried, failures, time.monotonic() - started
+
+
+class ShardWriteFailed(OSError):
+    """A shard could not be written (a full disk...): the message names its path."""
+
+
+def batch_result(future, shard_path: Path) -> BatchResult:
+    """The batch's result; an OS error writing its shard names the shard (``write`` errors carry no path)."""
+    try:
+        return future.result()
+    except OSError as exc:
+        if exc.filename:
+            raise
+        raise ShardWriteFailed(exc.errno, f"cannot write shard {shard_path}: {exc.strerror or exc}") from exc
 
 
 def progress_text(batches_done: int, batches: int, samples_done: int, samples: int) -> str:
@@ -645,11 +642,12 @@ def extract_on_node(params: ExtractParameters, node: SshNode, settings: Retrieva
     return tokens + retried, failures, time.monotonic() - started
 
 
-def record_run(vdir: Path, run_id: str, summary: dict, failures: list[SampleFailure]) -> None:
+def record_run(vdir: Path, run_id: str, summary: dict, failures: list[SampleFailure]) -> Path:
     runs = vdir / "runs"
     runs.mkdir(exist_ok=True)
-    (runs / f"{run_id}.json").write_text(json.dumps({"summary": summary, "failed": [f.__dict__ for f in failures]},
-                                                    indent=2))
+    path = runs / f"{run_id}.json"
+    path.write_text(json.dumps({"summary": summary, "failed": [f.__dict__ for f in failures]}, indent=2))
+    return path
 
 
 #: Flags that differ from ``--<field-name>`` (the names SGLang and earlier releases gave them).

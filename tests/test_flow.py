@@ -320,9 +320,10 @@ def test_float8_store_and_draft_vocabulary_from_the_command_line(prefect_api, ti
             assert float(((got - want).norm(dim=-1) / want.norm(dim=-1)).max()) < 0.07  # float8: 3 mantissa bits
 
 
-def kill_the_server_after(out: Path, shards: int, kills: list[int], times: int = 1) -> threading.Thread:
-    """SIGKILL the flow's local server (found by its command line) once ``shards`` shards exist, ``times``
-    times (each restarted server once more shards have appeared); the pids killed go to ``kills``."""
+def kill_the_server_after(out: Path, shards: int, kills: list[int], times: int = 1,
+                          sig: signal.Signals = signal.SIGKILL) -> threading.Thread:
+    """Send ``sig`` to the flow's local server (found by its command line) once ``shards`` shards exist, ``times``
+    times (each restarted server once more shards have appeared); the pids signalled go to ``kills``."""
     def server_pids() -> list[int]:
         pids = []
         for proc in Path("/proc").iterdir():
@@ -340,7 +341,7 @@ def kill_the_server_after(out: Path, shards: int, kills: list[int], times: int =
             written = len(list(out.glob("versions/*/shards/*.safetensors")))
             alive = [p for p in server_pids() if p not in kills]
             if written >= shards * (len(kills) + 1) and alive:
-                os.kill(alive[0], signal.SIGKILL)
+                os.kill(alive[0], sig)
                 kills.append(alive[0])
             time.sleep(0.05)
 
@@ -406,3 +407,113 @@ def test_failures_past_the_budget_fail_the_run_and_spawn_no_sample_tasks(prefect
     with get_client(sync_client=True) as client:
         tasks = client.read_task_runs(task_run_filter=TaskRunFilter(name=TaskRunFilterName(any_=["sample-over-budget"])))
     assert tasks == []
+
+
+def test_a_sample_lost_between_extraction_and_the_check_is_named(prefect_api, tiny_model_dir, tmp_path, monkeypatch):
+    import flows.extract as extract_module
+    from tasks.accounting import AccountingError, reconcile
+    from tasks.prompts import prepare_prompts
+
+    rows = conversations(8, tag="acct")
+    rows.append(dict(rows[2], id="copy-of-acct2"))
+    rows.append("{not json")
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", rows)
+    real_finish = extract_module.finish_dataset
+
+    def finish_then_lose_a_row(params, vdir, info, keep):
+        # Fault injection, not a mock: the real consolidation runs, then a manifest row goes missing
+        # on disk, as a crashed or concurrent writer would leave it.
+        done = real_finish(params, vdir, info, keep)
+        manifest = pl.read_parquet(vdir / "manifest.parquet")
+        manifest.filter(pl.col("source_id") != "acct5").write_parquet(vdir / "manifest.parquet")
+        return done
+
+    monkeypatch.setattr(extract_module, "finish_dataset", finish_then_lose_a_row)
+    with pytest.raises(AccountingError, match=r"sample 'acct5' \(line 6, key [0-9a-f]{12}\) is in neither "
+                                              r"manifest.parquet nor the failures of"):
+        extract(ExtractParameters(prompts=str(prompts), model_path=str(tiny_model_dir), out=str(tmp_path / "o"),
+                                  batch_size=4))
+    monkeypatch.undo()
+
+    # A clean re-run writes the manifest again from the shards: the files agree, and are read back.
+    summary = extract(ExtractParameters(prompts=str(prompts), model_path=str(tiny_model_dir), out=str(tmp_path / "o"),
+                                        batch_size=4))
+    assert (summary["written"], summary["duplicates"], summary["rejected"], summary["failed"]) == (8, 1, 1, 0)
+    vdir = Path(summary["version_dir"])
+    record = vdir / "runs" / f"{summary['run']}.json"
+    prepared = prepare_prompts(prompts, AutoTokenizer.from_pretrained(tiny_model_dir), max_length=2048)
+    assert reconcile(vdir, prepared, record).written == 8
+
+    # each kind of damage is named: a sample whose shard is gone, an extra row, a failure that was written
+    manifest = pl.read_parquet(vdir / "manifest.parquet")
+    lost_shard = manifest.filter(pl.col("source_id") == "acct1")["shard"][0]
+    (vdir / "shards" / lost_shard).rename(tmp_path / lost_shard)
+    with pytest.raises(AccountingError, match=rf"sample 'acct1' \(key [0-9a-f]{{12}}\): its shard \S+{lost_shard} "
+                                              r"is missing"):
+        reconcile(vdir, prepared, record)
+    (tmp_path / lost_shard).rename(vdir / "shards" / lost_shard)
+    extra = manifest.head(1).with_columns(pl.lit("stranger").alias("source_id"), pl.lit("f" * 32).alias("sample_key"))
+    pl.concat([manifest, extra]).write_parquet(vdir / "manifest.parquet")
+    with pytest.raises(AccountingError, match="manifest.parquet row 'stranger' .* is no sample of the input"):
+        reconcile(vdir, prepared, record)
+    manifest.write_parquet(vdir / "manifest.parquet")
+    written = manifest.row(0, named=True)
+    record.write_text(json.dumps({"summary": {}, "failed": [{"sample_key": written["sample_key"],
+                                                             "source_id": written["source_id"]}]}))
+    with pytest.raises(AccountingError, match=f"sample '{written['source_id']}' .* is both in manifest.parquet and "
+                                              "among the failures"):
+        reconcile(vdir, prepared, record)
+
+
+def gone(pid: int) -> bool:
+    """The process has exited (a zombie not yet reaped counts as gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_a_hung_server_is_killed_and_restarted_and_nothing_is_lost(prefect_api, tiny_model_dir, tmp_path, caplog):
+    rows = conversations(24, tag="hung")
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", rows)
+    out, stopped = tmp_path / "out", []
+    stopper = kill_the_server_after(out, shards=2, kills=stopped, sig=signal.SIGSTOP)  # alive, answers nothing
+    started = time.monotonic()
+    summary = extract(ExtractParameters(prompts=str(prompts), model_path=str(tiny_model_dir), out=str(out),
+                                        batch_size=3, max_in_flight=2, concurrent_batches=1, backoff_s=0.05,
+                                        server=ServerOptions(health_timeout_s=2)))
+    took = time.monotonic() - started
+    stopper.join(5)
+    assert len(stopped) == 1, "the server was never stopped"
+    assert took < 150, f"the run took {took:.0f}s: the hung server was not noticed"
+    assert gone(stopped[0]), "the hung server was left running"
+    assert (summary["written"], summary["failed"], summary["written_this_run"]) == (24, 0, 24)
+    vdir = Path(summary["version_dir"])
+    assert len(list((vdir / "runs").glob("*-server-restart1.log"))) == 1
+    hung = [r.getMessage() for r in caplog.records if "is hung" in r.getMessage()]
+    assert hung and "/health failed 2 times in a row" in hung[0] and "its log ends" in hung[0], hung
+    model, layer_ids = load_reference_model(str(tiny_model_dir)), json.loads((vdir / "dataset.json").read_text())["layer_ids"]
+    dataset = TrainingSetDataset(vdir)
+    assert len(dataset) == 24
+    for i in range(len(dataset)):
+        sample = dataset[i]
+        aux, final = reference_hidden_states(model, sample["input_ids"].tolist(), layer_ids)
+        assert (sample["aux_hidden_states"] - aux).abs().max() <= 1e-4
+        assert (sample["hidden_states"] - final).abs().max() <= 1e-4
+
+
+def test_a_hung_server_past_the_restart_budget_fails_the_run_with_the_reason(prefect_api, tiny_model_dir, tmp_path):
+    from flows.extract import RunFailed
+
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", conversations(24, tag="hung0"))
+    out, stopped = tmp_path / "out", []
+    stopper = kill_the_server_after(out, shards=1, kills=stopped, sig=signal.SIGSTOP)
+    started = time.monotonic()
+    with pytest.raises(RunFailed, match=r"the server died 1 times \(--server-restarts 0\); last: the server on "
+                                        r"localhost port \d+ \(log .*\) is hung: /health failed 2 times"):
+        extract(ExtractParameters(prompts=str(prompts), model_path=str(tiny_model_dir), out=str(out), batch_size=3,
+                                  max_in_flight=2, concurrent_batches=1, backoff_s=0.05, server_restarts=0,
+                                  server=ServerOptions(health_timeout_s=2)))
+    stopper.join(5)
+    assert time.monotonic() - started < 120
+    assert len(stopped) == 1 and gone(stopped[0]), "the hung server was left running"
