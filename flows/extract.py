@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Literal
 
 from prefect import flow, get_run_logger
+from prefect.exceptions import TerminationSignal
 from prefect.artifacts import (create_markdown_artifact, create_progress_artifact, create_table_artifact,
                               update_progress_artifact)
 from prefect.futures import as_completed, wait
@@ -35,6 +36,8 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from flows.cli import ModelCli
+from flows.terminal import FILE_ONLY, log_to_file
+from infra.prefect_api import start_temporary_prefect_api
 from infra.node_block import SshNodeBlock
 from infra.server import RunningServer, ServerConfig, ServerWatch, start_server
 from infra.hosts import redact_command
@@ -232,7 +235,13 @@ class ServerDied(RuntimeError):
 
 
 class RunFailed(RuntimeError):
-    """The run could not produce what it was asked for (failure budget, a server that keeps dying)."""
+    """The run could not produce what it was asked for (failure budget, a server that keeps dying).
+
+    ``record``: the run record listing the failed samples, when there is one."""
+
+    def __init__(self, reason: str, record: Path | None = None):
+        self.record = record
+        super().__init__(reason)
 
 
 def failure_budget(params: ExtractParameters, samples: int) -> int:
@@ -407,7 +416,7 @@ def extract(params: ExtractParameters = ExtractParameters()) -> dict:
     if len(failures) > failure_budget(params, len(todo)):
         raise RunFailed(f"{len(failures)} of {len(todo)} samples failed, over the failure budget of "
                         f"{failure_budget(params, len(todo))} (--max-failed-fraction {params.max_failed_fraction}); "
-                        f"the written samples are in {vdir}, the failed ones in {vdir / 'runs' / (run_id + '.json')}")
+                        f"the written samples are in {vdir}, the failed ones in {record}", record)
     return summary
 
 
@@ -660,8 +669,43 @@ def parse_args(argv: list[str] | None = None) -> ExtractParameters:
     return CLI.parse(argv)
 
 
-if __name__ == "__main__":
-    summary = extract(parse_args())
+def failure_lines(record: Path, limit: int = 20) -> list[str]:
+    """One line per failed sample of a run record (the first ``limit``)."""
+    failed = json.loads(record.read_text())["failed"]
+    lines = [f"failed: sample {f['source_id']!r} (key {f['sample_key'][:12]}, {f['attempts']} attempts): "
+             f"{f['error']}: {f['reason']}" for f in failed[:limit]]
+    if len(failed) > limit:
+        lines.append(f"failed: {len(failed) - limit} more samples, listed in {record}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line: the summary on stdout; on the terminal one line per failure, the tracebacks in the
+    log file; exit 0 only when every sample was written, 130 when interrupted."""
+    params = parse_args(argv)
+    log_path = log_to_file(Path(params.out).resolve() / "logs")
+    try:
+        start_temporary_prefect_api()
+        summary = extract(params)
+    except (KeyboardInterrupt, TerminationSignal) as exc:
+        how = "terminated (SIGTERM)" if isinstance(exc, TerminationSignal) else "interrupted (Ctrl-C)"
+        print(f"extract: {how}: the server is stopped; finished shards are kept and a re-run resumes them "
+              f"(log {log_path})", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        FILE_ONLY.error("the run failed", exc_info=exc)  # the traceback, in the log file only
+        if isinstance(exc, RunFailed) and exc.record is not None:
+            print(*failure_lines(exc.record), sep="\n", file=sys.stderr)
+        print(f"extract: failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''} "
+              f"(details in {log_path})", file=sys.stderr)
+        return 1
     print(json.dumps(summary, indent=2))
+    if summary["failed"]:
+        print(*failure_lines(Path(summary["version_dir"]) / "runs" / f"{summary['run']}.json"), sep="\n",
+              file=sys.stderr)
     # a script or a nightly job must be able to tell: any failed sample is a non-zero exit
-    sys.exit(1 if summary["failed"] else 0)
+    return 1 if summary["failed"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

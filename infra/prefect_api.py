@@ -3,7 +3,7 @@
 With no ``PREFECT_API_URL`` configured, Prefect 3 starts a temporary API server as a child
 process (``prefect.server.api.server.SubprocessASGIServer``) in the flow's process group:
 a terminal's Ctrl-C kills it too, and the flow then spends minutes retrying calls to it;
-after SIGKILL or SIGTERM of the flow it keeps running. :func:`temporary_prefect_api` starts
+after SIGKILL or SIGTERM of the flow it keeps running. :func:`start_temporary_prefect_api` starts
 that same server first, in its own session and with a parent-death signal
 (``infra.hosts.dependent_child``), and registers it where Prefect looks for it (the
 instance Prefect's ``SubprocessASGIServer()`` returns, as ``prefect_test_harness`` does).
@@ -11,11 +11,8 @@ instance Prefect's ``SubprocessASGIServer()`` returns, as ``prefect_test_harness
 
 from __future__ import annotations
 
-import contextlib
 import subprocess
 from types import SimpleNamespace
-from typing import Iterator
-
 import prefect.server.api.server as prefect_server
 from prefect.server.api.server import SubprocessASGIServer
 from prefect.settings import get_current_settings
@@ -41,16 +38,12 @@ def api_configured() -> bool:
     return bool(get_current_settings().api.url)
 
 
-@contextlib.contextmanager
-def temporary_prefect_api() -> Iterator[str | None]:
-    """Within: Prefect's temporary API server is ours (yields its URL), unless an API URL is configured
-    (yields None and starts nothing)."""
+def start_temporary_prefect_api() -> str | None:
+    """Start Prefect's temporary API server as ours and return its URL; None (nothing started) when an API URL
+    is configured or this process already has one (a test harness). Prefect stops it at exit (its own atexit
+    hook, after its log and event workers have flushed to it); a killed process takes it along."""
     if api_configured() or None in SubprocessASGIServer._instances:
-        yield None  # a configured server, or Prefect already runs one in this process (a test harness)
-        return
+        return None
     server = DependentApiServer()  # registers itself as the instance Prefect's SubprocessASGIServer() returns
     server.start()
-    try:
-        yield server.api_url
-    finally:
-        server.stop()
+    return server.api_url
