@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -569,3 +570,65 @@ def test_a_hung_server_past_the_restart_budget_fails_the_run_with_the_reason(pre
     stopper.join(5)
     assert time.monotonic() - started < 120
     assert len(stopped) == 1 and gone(stopped[0]), "the hung server was left running"
+
+
+def run_cli(args: list[str], log_path: Path, timeout: float = 300) -> tuple[int, str]:
+    """``python -m flows.extract ARGS`` as from a shell (against the test's Prefect API); (exit code, terminal)."""
+    with open(log_path, "wb") as log:
+        code = subprocess.run([sys.executable, "-m", "flows.extract", *args], cwd=REPO, stdout=log,
+                              stderr=subprocess.STDOUT, timeout=timeout).returncode
+    return code, log_path.read_text()
+
+
+def test_a_failed_run_prints_one_line_per_failure_and_keeps_the_traceback_in_the_log(prefect_api, tiny_model_dir,
+                                                                                      tmp_path):
+    rows = conversations(6, tag="line")
+    rows[2] = {"id": "too-long", "messages": [
+        {"role": "user", "content": "tell me a story " * 400}, {"role": "assistant", "content": "no."}]}
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", rows)
+    out = tmp_path / "out"
+    code, terminal = run_cli(["--prompts", str(prompts), "--model-path", str(tiny_model_dir), "--out", str(out),
+                              "--max-length", "4000", "--", "--context-length", "512"], tmp_path / "terminal.txt")
+    assert code == 1
+    assert "Traceback" not in terminal, terminal[-4000:]
+    (failed,) = [line for line in terminal.splitlines() if line.startswith("failed: ")]
+    assert failed.startswith("failed: sample 'too-long' (key ") and "ServerRejected" in failed
+    assert "longer than the model's context length (512 tokens)" in failed
+    (last,) = [line for line in terminal.splitlines() if line.startswith("extract: failed: ")]
+    assert last.startswith("extract: failed: RunFailed: 1 of 6 samples failed, over the failure budget of 0")
+    assert terminal.count("over the failure budget") == 1, "the run's failure was repeated on the terminal"
+    assert terminal.count("longer than the model's context length") == 1, "the sample's failure was repeated"
+    (log_file,) = (out / "logs").glob("extract-*.log")
+    log = log_file.read_text()
+    assert str(log_file) in last and "Traceback" in log and "RunFailed" in log
+    assert "attempt 1 of 3: ServerRejected" in log, "the per-attempt warning is missing from the log file"
+
+
+def test_a_full_output_disk_names_the_shard_and_a_rerun_completes(prefect_api, tiny_model_dir, tmp_path):
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", conversations(12, tag="full"))
+    out = tmp_path / "out"
+    versions = out / "versions"
+    versions.mkdir(parents=True)
+    # A real small filesystem for the dataset versions (the dumps and the log stay on the big disk).
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1500k", "tmpfs", str(versions)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"mounting a tmpfs needs root: {mounted.stderr.decode().strip()}")
+    try:
+        code, terminal = run_cli(["--prompts", str(prompts), "--model-path", str(tiny_model_dir), "--out", str(out),
+                                  "--batch-size", "2", "--concurrent-batches", "1"], tmp_path / "terminal.txt")
+        assert code == 1
+        assert "Traceback" not in terminal, terminal[-4000:]
+        (last,) = [line for line in terminal.splitlines() if line.startswith("extract: failed: ")]
+        assert re.search(rf"ShardWriteFailed: \[Errno 28\] cannot write shard {re.escape(str(versions))}/\w+/shards/"
+                         r"shard-[\w-]+\.safetensors: No space left on device", last), last
+        assert not list(versions.glob("*/shards/.*")), "a temporary shard file was left behind"
+
+        subprocess.run(["mount", "-o", "remount,size=64m", str(versions)], check=True)  # space freed
+        summary = extract(ExtractParameters(prompts=str(prompts), model_path=str(tiny_model_dir), out=str(out),
+                                            batch_size=2))
+        assert (summary["written"], summary["failed"]) == (12, 0)
+        assert summary["already_present"] > 0, "the shards written before the disk was full were not kept"
+        manifest = pl.read_parquet(Path(summary["version_dir"]) / "manifest.parquet")
+        assert manifest.height == 12 and manifest["sample_key"].n_unique() == 12
+    finally:
+        subprocess.run(["umount", "-l", str(versions)], check=False)
