@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
-import threading
 import time
 import uuid
 from dataclasses import replace

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import subprocess
 from types import SimpleNamespace
+
 import prefect.server.api.server as prefect_server
 from prefect.server.api.server import SubprocessASGIServer
 from prefect.settings import get_current_settings

@@ -196,7 +196,7 @@ class ServerWatch:
 
     def _probe(self) -> str | None:
         try:
-            r = requests.get(f"{self.server.url}/health", timeout=self.health_timeout_s)
+            r = requests.get(f"{self.server.url}/health", headers=self.server.headers(), timeout=self.health_timeout_s)
         except requests.RequestException as exc:
             return f"{type(exc).__name__} after {self.health_timeout_s:g}s" if isinstance(
                 exc, requests.Timeout) else type(exc).__name__
