@@ -15,7 +15,6 @@ import contextlib
 import json
 import socket
 import sys
-import threading
 import time
 import uuid
 from dataclasses import replace
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Literal
 
 from prefect import flow, get_run_logger
+from prefect.exceptions import TerminationSignal
 from prefect.artifacts import (create_markdown_artifact, create_progress_artifact, create_table_artifact,
                               update_progress_artifact)
 from prefect.futures import as_completed, wait
@@ -36,13 +36,16 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from flows.cli import ModelCli
+from flows.terminal import FILE_ONLY, log_to_file
+from infra.prefect_api import start_temporary_prefect_api
 from infra.node_block import SshNodeBlock
 from infra.node_slot import node_slot
-from infra.server import RunningServer, ServerConfig, start_server
+from infra.server import RunningServer, ServerConfig, ServerWatch, start_server
 from infra.hosts import redact_command
 from infra.ssh import DumpMirror, NodeCommandFailed, SshError, SshHost, SshNode, SshSettings, parse_node_url
 from infra.tiny_model import build_tiny_model
 from patches.dumps import DumpReader
+from tasks.accounting import reconcile
 from tasks.dataset_version import ModelFacts, extraction_config, read_model_facts, version_dir
 from tasks.exports import check_exports
 from tasks.chat_template import DEFAULT_ENABLE_THINKING, DEFAULT_TEMPLATE_DATE, TemplateVariables, template_hash
@@ -85,6 +88,10 @@ class ServerOptions(BaseModel):
                                                   "read from a file, never from argv.")
     ready_timeout_s: float = Field(300.0, title="Start-up timeout (s)", gt=0, le=86400,
                                    description="How long to wait for the server's /health before giving up.")
+    health_timeout_s: float = Field(30.0, title="Health-check timeout (s)", gt=0, le=3600,
+                                    description="While batches run the server's /health is checked; unanswered "
+                                                "within this twice in a row, the server is hung: it is killed and "
+                                                "restarted (--server-restarts). Above SGLang's own 20 s.")
     extra_args: list[str] = Field([], title="More server flags",
                                   description="Passed to the server as they are (after -- on the command line).")
 
@@ -225,7 +232,7 @@ TOKENIZER_FILES = ("config.json", "generation_config.json", "tokenizer.json", "t
 
 
 class ServerDied(RuntimeError):
-    """The run's server exited while batches were running."""
+    """The run's server exited, or hung and was killed, while batches were running."""
 
     def __init__(self, reason: str, tokens: int):
         self.tokens = tokens  # written before it died
@@ -233,32 +240,13 @@ class ServerDied(RuntimeError):
 
 
 class RunFailed(RuntimeError):
-    """The run could not produce what it was asked for (failure budget, a server that keeps dying)."""
+    """The run could not produce what it was asked for (failure budget, a server that keeps dying).
 
+    ``record``: the run record listing the failed samples, when there is one."""
 
-class ServerWatch:
-    """Polls the server process while batches run; when it exits, stops ``limit`` so that no
-    sample waits through its retries for a server that is gone."""
-
-    def __init__(self, server: RunningServer, limit: InFlightLimit, interval_s: float = 1.0):
-        self.server, self.limit, self.interval_s = server, limit, interval_s
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="server-watch", daemon=True)
-
-    def __enter__(self) -> "ServerWatch":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._done.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        while not self._done.wait(self.interval_s):
-            if not self.server.process.alive():
-                self.limit.stop(f"the server on {self.server.host.name} port {self.server.port} exited "
-                                f"(log {self.server.log_path})")
-                return
+    def __init__(self, reason: str, record: Path | None = None):
+        self.record = record
+        super().__init__(reason)
 
 
 def failure_budget(params: ExtractParameters, samples: int) -> int:
@@ -422,11 +410,9 @@ def extract(params: ExtractParameters = ExtractParameters()) -> dict:
         "tokens_per_s": round(new_tokens / extract_s, 1) if extract_s else 0.0,
         "wall_s": round(time.monotonic() - started, 2),
     }
-    accounted = summary["written"] + summary["duplicates"] + summary["rejected"] + summary["failed"]
-    if accounted != prepared.rows_in:
-        raise RuntimeError(f"sample accounting is off: {prepared.rows_in} rows in, {accounted} accounted for "
-                           f"({summary})")
-    record_run(vdir, run_id, summary, failures)
+    record = record_run(vdir, run_id, summary, failures)
+    # Read back from the files, not derived from each other: a lost or extra sample is named here.
+    reconcile(vdir, prepared, record, shards_here=not params.node.shards_remote or params.node.fetch)
     # The UI's tables do not wrap and scroll sideways: counts first, long ids and paths last.
     create_table_artifact(key="extraction-summary", table=[dict(sorted(
         summary.items(), key=lambda item: item[0] in ("run", "version", "version_dir")))],
@@ -443,7 +429,7 @@ def extract(params: ExtractParameters = ExtractParameters()) -> dict:
     if len(failures) > failure_budget(params, len(todo)):
         raise RunFailed(f"{len(failures)} of {len(todo)} samples failed, over the failure budget of "
                         f"{failure_budget(params, len(todo))} (--max-failed-fraction {params.max_failed_fraction}); "
-                        f"the written samples are in {vdir}, the failed ones in {vdir / 'runs' / (run_id + '.json')}")
+                        f"the written samples are in {vdir}, the failed ones in {record}", record)
     return summary
 
 
@@ -498,13 +484,18 @@ def extract_here(params: ExtractParameters, settings: RetrievalSettings, server:
     batches = [todo[i:i + params.batch_size] for i in range(0, len(todo), params.batch_size)]
     limit = InFlightLimit(params.max_in_flight, params.max_dump_bytes_in_flight)
     runner = ThreadPoolTaskRunner(max_workers=params.concurrent_batches)
-    with tqdm(total=len(todo), unit="sample", desc="extracting") as bar, runner, ServerWatch(server, limit):
-        futures = [runner.submit(extract_batch_step, parameters=dict(
-            index=i, samples=quote(batch), settings=settings, dump_dir=dump_dir,
-            shard_path=vdir / "shards" / f"shard-{run_id}-{i:05d}.safetensors",
-            limit=limit, on_done=bar.update, store_dtype=params.store_dtype, times=stages))
-            for i, batch in enumerate(batches)]
-        results = batch_results(futures, batches)
+    watch = ServerWatch(server, limit.stop, health_timeout_s=params.server.health_timeout_s)
+    with tqdm(total=len(todo), unit="sample", desc="extracting") as bar, runner, watch:
+        try:
+            futures = [runner.submit(extract_batch_step, parameters=dict(
+                index=i, samples=quote(batch), settings=settings, dump_dir=dump_dir,
+                shard_path=vdir / "shards" / f"shard-{run_id}-{i:05d}.safetensors",
+                limit=limit, on_done=bar.update, store_dtype=params.store_dtype, times=stages))
+                for i, batch in enumerate(batches)]
+            results = batch_results(futures, batches)
+        except BaseException as exc:  # Ctrl-C: nothing more is sent; the runner waits only for requests in flight
+            limit.stop(f"the run was interrupted ({type(exc).__name__})")
+            raise
     tokens = sum(r.shard.tokens for r in results if r.shard)
     if limit.stopped is not None or not server.process.alive():
         raise ServerDied(limit.stopped or f"the server on {server.host.name} exited", tokens)
@@ -669,11 +660,12 @@ def extract_on_node(params: ExtractParameters, node: SshNode, settings: Retrieva
     return tokens + retried, failures, time.monotonic() - started
 
 
-def record_run(vdir: Path, run_id: str, summary: dict, failures: list[SampleFailure]) -> None:
+def record_run(vdir: Path, run_id: str, summary: dict, failures: list[SampleFailure]) -> Path:
     runs = vdir / "runs"
     runs.mkdir(exist_ok=True)
-    (runs / f"{run_id}.json").write_text(json.dumps({"summary": summary, "failed": [f.__dict__ for f in failures]},
-                                                    indent=2))
+    path = runs / f"{run_id}.json"
+    path.write_text(json.dumps({"summary": summary, "failed": [f.__dict__ for f in failures]}, indent=2))
+    return path
 
 
 #: Flags that differ from ``--<field-name>`` (the names SGLang and earlier releases gave them).
@@ -686,8 +678,43 @@ def parse_args(argv: list[str] | None = None) -> ExtractParameters:
     return CLI.parse(argv)
 
 
-if __name__ == "__main__":
-    summary = extract(parse_args())
+def failure_lines(record: Path, limit: int = 20) -> list[str]:
+    """One line per failed sample of a run record (the first ``limit``)."""
+    failed = json.loads(record.read_text())["failed"]
+    lines = [f"failed: sample {f['source_id']!r} (key {f['sample_key'][:12]}, {f['attempts']} attempts): "
+             f"{f['error']}: {f['reason']}" for f in failed[:limit]]
+    if len(failed) > limit:
+        lines.append(f"failed: {len(failed) - limit} more samples, listed in {record}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line: the summary on stdout; on the terminal one line per failure, the tracebacks in the
+    log file; exit 0 only when every sample was written, 130 when interrupted."""
+    params = parse_args(argv)
+    log_path = log_to_file(Path(params.out).resolve() / "logs")
+    try:
+        start_temporary_prefect_api()
+        summary = extract(params)
+    except (KeyboardInterrupt, TerminationSignal) as exc:
+        how = "terminated (SIGTERM)" if isinstance(exc, TerminationSignal) else "interrupted (Ctrl-C)"
+        print(f"extract: {how}: the server is stopped; finished shards are kept and a re-run resumes them "
+              f"(log {log_path})", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        FILE_ONLY.error("the run failed", exc_info=exc)  # the traceback, in the log file only
+        if isinstance(exc, RunFailed) and exc.record is not None:
+            print(*failure_lines(exc.record), sep="\n", file=sys.stderr)
+        print(f"extract: failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''} "
+              f"(details in {log_path})", file=sys.stderr)
+        return 1
     print(json.dumps(summary, indent=2))
+    if summary["failed"]:
+        print(*failure_lines(Path(summary["version_dir"]) / "runs" / f"{summary['run']}.json"), sep="\n",
+              file=sys.stderr)
     # a script or a nightly job must be able to tell: any failed sample is a non-zero exit
-    sys.exit(1 if summary["failed"] else 0)
+    return 1 if summary["failed"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

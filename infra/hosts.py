@@ -8,6 +8,7 @@ loopback port is reached from here.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shlex
 import signal
@@ -19,6 +20,25 @@ from typing import Protocol, Sequence
 
 from infra.node_agent import free_port, port_free  # stdlib only: the node runs the same checks
 
+
+
+def _die_with_parent() -> None:
+    """``preexec_fn``: Linux sends this child SIGTERM when the thread that started it ends, so a
+    flow killed with SIGKILL takes its children along (the local server also watches its parent;
+    SGLang's launcher and Prefect's API server do not). Runs between fork and exec: only a
+    libc call."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+_PR_SET_PDEATHSIG = 1
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
+
+
+def dependent_child() -> dict:
+    """Popen arguments for a child that lives in its own session (a terminal's Ctrl-C reaches the
+    flow, which stops it in order, not the child) and dies with the flow."""
+    return {"start_new_session": True, "preexec_fn": _die_with_parent}
 
 
 class HostError(RuntimeError):
@@ -99,7 +119,7 @@ class LocalHost:
             try:
                 # A new session: stop() signals the server and any children it spawned.
                 popen = subprocess.Popen(list(argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env={**os.environ, **(env or {})}, start_new_session=True)
+                                         env={**os.environ, **(env or {})}, **dependent_child())
             except OSError as exc:
                 raise HostError(f"{self.name}: cannot start `{command}`: {exc}") from exc
         return LocalProcess(popen, log_path, command)

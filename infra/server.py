@@ -10,17 +10,19 @@ crash/cancellation hooks alike.
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Callable, Literal
 
 import requests
 
 from infra.hosts import Host, LocalHost, ServerProcess, free_port
 
-__all__ = ["ServerConfig", "RunningServer", "ServerStartError", "ForeignServer", "start_server", "wait_healthy", "free_port"]
+__all__ = ["ServerConfig", "RunningServer", "ServerStartError", "ForeignServer", "ServerWatch", "start_server",
+           "wait_healthy", "free_port"]
 Engine = Literal["transformers", "sglang"]
 
 
@@ -146,3 +148,60 @@ def check_identity(server: RunningServer) -> None:
                             f"reports dump instance {got!r}, the one started here is {server.config.instance!r} "
                             f"(HTTP {r.status_code} from /server_info). Is port {server.port} in use? Our server's "
                             f"log {server.log_path}:\n{server.process.log_tail()}")
+
+
+class ServerWatch:
+    """Watches a running server while batches use it; calls ``on_gone(reason)`` once when it is gone.
+
+    Gone: the process exited, or the server is hung: alive but ``/health`` went unanswered
+    (timeout, refused connection, an error status) ``misses`` times in a row, each probe
+    waiting ``health_timeout_s``. A hung server is killed, so that the requests it holds
+    fail at once instead of waiting out their own (long) timeouts; the caller restarts it.
+    A request timeout cannot tell a hung server from a long prefill; a health check can
+    (the transformers engine and SGLang answer it while busy).
+    """
+
+    def __init__(self, server: RunningServer, on_gone: Callable[[str], None], health_timeout_s: float = 30.0,
+                 misses: int = 2, interval_s: float = 1.0):
+        self.server, self.on_gone = server, on_gone
+        self.health_timeout_s, self.misses, self.interval_s = health_timeout_s, misses, interval_s
+        #: why the server is gone, once it is
+        self.gone: str | None = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="server-watch", daemon=True)
+
+    def __enter__(self) -> "ServerWatch":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join(self.interval_s)  # a probe in flight ends on its own (daemon thread) and reports nothing
+
+    def _run(self) -> None:
+        where = f"the server on {self.server.host.name} port {self.server.port} (log {self.server.log_path})"
+        missed: list[str] = []
+        while not self._done.wait(self.interval_s):
+            if not self.server.process.alive():
+                return self._report(f"{where} exited")
+            problem = self._probe()
+            missed = missed + [problem] if problem else []
+            if self._done.is_set():
+                return
+            if len(missed) >= self.misses and self.server.process.alive():
+                self._report(f"{where} is hung: /health failed {len(missed)} times in a row ({'; '.join(missed)}); "
+                             f"killed it")
+                self.server.stop(grace_s=2.0)  # a hung process may not act on SIGTERM (SIGSTOP defers it)
+                return
+
+    def _probe(self) -> str | None:
+        try:
+            r = requests.get(f"{self.server.url}/health", headers=self.server.headers(), timeout=self.health_timeout_s)
+        except requests.RequestException as exc:
+            return f"{type(exc).__name__} after {self.health_timeout_s:g}s" if isinstance(
+                exc, requests.Timeout) else type(exc).__name__
+        return None if r.status_code == 200 else f"HTTP {r.status_code}"
+
+    def _report(self, reason: str) -> None:
+        self.gone = reason
+        self.on_gone(reason)

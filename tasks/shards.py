@@ -80,6 +80,10 @@ class InvalidSample(TrainingSetError):
         super().__init__(f"sample {sample_key!r} for shard {path}: {reason}")
 
 
+class ShardWriteFailed(OSError):
+    """A shard could not be written (a full disk...): the message names its path."""
+
+
 class ShardCorrupt(TrainingSetError):
     """A shard file cannot be parsed or is not a training shard of this schema version."""
 
@@ -162,8 +166,8 @@ class ShardWriter:
             os.posix_fallocate(self._fd, 0, self._layout.size)
         except OSError as exc:
             self.abort()
-            raise OSError(exc.errno, f"shard {self.path}: cannot reserve {self._layout.size} bytes: "
-                                     f"{exc.strerror}") from exc
+            raise ShardWriteFailed(exc.errno, f"cannot write shard {self.path}: {exc.strerror} (reserving "
+                                              f"{self._layout.size} bytes)") from exc
 
     def __enter__(self) -> "ShardWriter":
         return self
@@ -187,7 +191,7 @@ class ShardWriter:
                 raise InvalidSample(sample.sample_key, self.path, "added twice")
             self._hashes[sample.sample_key] = ""  # claimed; its rows are being written
         for (position, _), part in zip(self._layout.sample_ranges(index), parts):
-            _pwrite_all(self._fd, byte_view(part), position, self._tmp)
+            _pwrite_all(self._fd, byte_view(part), position, self.path)
         with self._lock:
             self._hashes[sample.sample_key] = digest
 
@@ -203,9 +207,9 @@ class ShardWriter:
                 fd, tmp = self._compacted(present)
             layout = _Layout(self, present)
             header = layout.header([self._hashes[p.sample_key] for p in present])
-            _pwrite_all(fd, header, 0, tmp)
+            _pwrite_all(fd, header, 0, self.path)
             offsets = torch.tensor([0] + [p.tokens for p in present], dtype=torch.int64).cumsum(0)
-            _pwrite_all(fd, byte_view(offsets), layout.column_start["offsets"], tmp)
+            _pwrite_all(fd, byte_view(offsets), layout.column_start["offsets"], self.path)
             os.fsync(fd)
             if fd != self._fd:
                 os.close(fd)
@@ -235,11 +239,14 @@ class ShardWriter:
         tmp = self._tmp.with_name(self._tmp.name.removesuffix(".tmp") + "-compact.tmp")
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            os.posix_fallocate(fd, 0, small.size)
+            try:
+                os.posix_fallocate(fd, 0, small.size)
+            except OSError as exc:
+                raise ShardWriteFailed(exc.errno, f"cannot write shard {self.path}: {exc.strerror} (compacting)") from exc
             for new_index, p in enumerate(present):
                 for (src, length), (dst, _) in zip(full.sample_ranges(index[p.sample_key]),
                                                    small.sample_ranges(new_index)):
-                    _copy_range(self._fd, src, fd, dst, length, tmp)
+                    _copy_range(self._fd, src, fd, dst, length, self.path)
         except BaseException:
             os.close(fd)
             tmp.unlink(missing_ok=True)
@@ -307,12 +314,13 @@ class _Layout:
 
 
 def _pwrite_all(fd: int, data, offset: int, path: Path) -> None:
+    """All of ``data`` at ``offset``; ``path`` (the shard's) names it in an error."""
     view = memoryview(data).cast("B")
     while view:
         try:
             n = os.pwrite(fd, view, offset)
         except OSError as exc:
-            raise OSError(exc.errno, f"writing shard {path}: {exc.strerror}") from exc
+            raise ShardWriteFailed(exc.errno, f"cannot write shard {path}: {exc.strerror}") from exc
         view, offset = view[n:], offset + n
 
 
@@ -321,7 +329,7 @@ def _copy_range(src: int, src_offset: int, dst: int, dst_offset: int, length: in
         try:
             n = os.copy_file_range(src, dst, length, src_offset, dst_offset)
         except OSError as exc:
-            raise OSError(exc.errno, f"compacting shard {path}: {exc.strerror}") from exc
+            raise ShardWriteFailed(exc.errno, f"cannot write shard {path}: {exc.strerror} (compacting)") from exc
         if n == 0:
             raise TrainingSetError(f"compacting shard {path}: the temporary file ended early")
         src_offset, dst_offset, length = src_offset + n, dst_offset + n, length - n

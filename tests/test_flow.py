@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -184,14 +185,15 @@ def test_flow_writes_verified_samples_under_awkward_server(prefect_api, tiny_mod
         assert (got["verifier_last_hidden_states"] - final_norm_input(model, ids)).abs().max() <= 1e-4, key
 
 
-def start_flow_process(prompts: Path, model_dir: Path, out: Path, log_path: Path, shards: int) -> subprocess.Popen:
+def start_flow_process(prompts: Path, model_dir: Path, out: Path, log_path: Path, shards: int,
+                       env: dict[str, str] | None = None) -> subprocess.Popen:
     """The flow from a shell, small batches one at a time; returns once ``shards`` shards are written."""
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "flows.extract", "--prompts", str(prompts), "--model-path",
                                  str(model_dir), "--out", str(out), "--batch-size", "3", "--max-in-flight", "1",
                                  "--concurrent-batches", "1"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # its own group: the signals below reach only the flow
-    deadline = time.monotonic() + 240
+                                env=env, start_new_session=True)  # its own group, as a terminal's foreground job
+    deadline = time.monotonic() + 300
     while len(list(out.glob("versions/*/shards/*.safetensors"))) < shards:
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
@@ -201,19 +203,62 @@ def start_flow_process(prompts: Path, model_dir: Path, out: Path, log_path: Path
     return proc
 
 
-def test_killed_run_resumes_without_duplicates(prefect_api, tiny_model_dir, tmp_path):
+@pytest.fixture(scope="session")
+def terminal_env(tmp_path_factory) -> dict[str, str]:
+    """A user's shell: no PREFECT_API_URL, so the flow starts Prefect's temporary API server itself
+    (one Prefect home for the session: its database is migrated once; slow to start on a busy machine)."""
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env.update(PREFECT_HOME=str(tmp_path_factory.mktemp("prefect-home")), PREFECT_SERVER_ANALYTICS_ENABLED="false",
+               PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="300")
+    return env
+
+
+def process_tree(pid: int) -> dict[int, str]:
+    """The process and its descendants (pid: command line), from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    tree, todo = {}, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            tree[p] = (Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:200])
+        except OSError:
+            continue
+        todo += children.get(p, [])
+    return tree
+
+
+def wait_gone(pids: dict[int, str], timeout: float) -> dict[int, str]:
+    """The processes of ``pids`` still running after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = {p: cmd for p, cmd in pids.items() if not gone(p)}
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_a_killed_flow_leaves_no_process_and_a_rerun_resumes(prefect_api, terminal_env, tiny_model_dir, tmp_path,
+                                                              sig):
     prompts = write_jsonl(tmp_path / "prompts.jsonl", conversations(30))
     out = tmp_path / "out"
-    proc = start_flow_process(prompts, tiny_model_dir, out, tmp_path / "flow.log", shards=2)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    # The killed flow's server (its own session, so the kill did not reach it) must notice and exit.
-    server_log = next(out.glob("versions/*/runs/*-server.log"))
-    deadline = time.monotonic() + 60
-    while not server_log.read_text().rstrip().endswith("stopped") and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert "is gone; stopping" in server_log.read_text(), server_log.read_text()[-2000:]
-    assert server_log.read_text().rstrip().endswith("stopped")
+    proc = start_flow_process(prompts, tiny_model_dir, out, tmp_path / "flow.log", shards=2, env=terminal_env)
+    run = process_tree(proc.pid)
+    assert any("infra.local_server" in cmd for cmd in run.values()) and any(
+        "uvicorn" in cmd for cmd in run.values()), f"the model server or Prefect's API server is missing: {run}"
+    os.kill(proc.pid, sig)  # `kill PID`: the flow alone, its children get no signal from us
+    proc.wait(30)
+    left = wait_gone(run, timeout=10)
+    assert not left, f"outlived the {sig.name}ed flow: {left}"
+    server_log = next(out.glob("versions/*/runs/*-server.log")).read_text()
+    assert server_log.rstrip().endswith("stopped"), server_log[-2000:]  # drained and exited, not killed
 
     summary = extract(ExtractParameters(prompts=str(prompts), model_path=str(tiny_model_dir), out=str(out),
                                         batch_size=3))
@@ -224,16 +269,24 @@ def test_killed_run_resumes_without_duplicates(prefect_api, tiny_model_dir, tmp_
     assert not list(out.glob("versions/*/shards/.*")), "a temporary shard file was left visible"
 
 
-def test_ctrl_c_stops_the_server_and_leaves_no_partial_shard(prefect_api, tiny_model_dir, tmp_path):
+def test_ctrl_c_in_a_terminal_stops_within_seconds_with_one_line(terminal_env, tiny_model_dir, tmp_path):
     prompts = write_jsonl(tmp_path / "prompts.jsonl", conversations(30))
     out, flow_log = tmp_path / "out", tmp_path / "flow.log"
-    proc = start_flow_process(prompts, tiny_model_dir, out, flow_log, shards=1)
-    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends to the flow, not to the server
-    assert proc.wait(timeout=120) != 0
+    proc = start_flow_process(prompts, tiny_model_dir, out, flow_log, shards=1, env=terminal_env)
+    run = process_tree(proc.pid)
+    sent = time.monotonic()
+    os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C: the foreground group (Prefect's API server included)
+    assert proc.wait(timeout=120) == 130
+    took = time.monotonic() - sent
+    left = wait_gone(run, timeout=5)
+    assert not left, f"outlived the interrupted flow: {left}"
+    assert took < 30, f"Ctrl-C took {took:.0f}s"
+    terminal = flow_log.read_text()
+    assert "Traceback" not in terminal, terminal[-3000:]
+    assert terminal.count("extract: interrupted (Ctrl-C)") == 1, terminal[-3000:]
+    assert "server stopped (exit code 0)" in terminal
     server_log = next(out.glob("versions/*/runs/*-server.log")).read_text()
     assert server_log.rstrip().endswith("stopped"), server_log[-2000:]
-    assert "is gone" not in server_log, "the flow did not stop its server; the server's watchdog did"
-    assert "server stopped (exit code 0)" in flow_log.read_text()
     assert not list(out.glob("versions/*/shards/.*")), "a temporary shard file was left visible"
 
 
@@ -320,9 +373,10 @@ def test_float8_store_and_draft_vocabulary_from_the_command_line(prefect_api, ti
             assert float(((got - want).norm(dim=-1) / want.norm(dim=-1)).max()) < 0.07  # float8: 3 mantissa bits
 
 
-def kill_the_server_after(out: Path, shards: int, kills: list[int], times: int = 1) -> threading.Thread:
-    """SIGKILL the flow's local server (found by its command line) once ``shards`` shards exist, ``times``
-    times (each restarted server once more shards have appeared); the pids killed go to ``kills``."""
+def kill_the_server_after(out: Path, shards: int, kills: list[int], times: int = 1,
+                          sig: signal.Signals = signal.SIGKILL) -> threading.Thread:
+    """Send ``sig`` to the flow's local server (found by its command line) once ``shards`` shards exist, ``times``
+    times (each restarted server once more shards have appeared); the pids signalled go to ``kills``."""
     def server_pids() -> list[int]:
         pids = []
         for proc in Path("/proc").iterdir():
@@ -340,7 +394,7 @@ def kill_the_server_after(out: Path, shards: int, kills: list[int], times: int =
             written = len(list(out.glob("versions/*/shards/*.safetensors")))
             alive = [p for p in server_pids() if p not in kills]
             if written >= shards * (len(kills) + 1) and alive:
-                os.kill(alive[0], signal.SIGKILL)
+                os.kill(alive[0], sig)
                 kills.append(alive[0])
             time.sleep(0.05)
 
@@ -406,3 +460,175 @@ def test_failures_past_the_budget_fail_the_run_and_spawn_no_sample_tasks(prefect
     with get_client(sync_client=True) as client:
         tasks = client.read_task_runs(task_run_filter=TaskRunFilter(name=TaskRunFilterName(any_=["sample-over-budget"])))
     assert tasks == []
+
+
+def test_a_sample_lost_between_extraction_and_the_check_is_named(prefect_api, tiny_model_dir, tmp_path, monkeypatch):
+    import flows.extract as extract_module
+    from tasks.accounting import AccountingError, reconcile
+    from tasks.prompts import prepare_prompts
+
+    rows = conversations(8, tag="acct")
+    rows.append(dict(rows[2], id="copy-of-acct2"))
+    rows.append("{not json")
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", rows)
+    real_finish = extract_module.finish_dataset
+
+    def finish_then_lose_a_row(params, vdir, info, keep):
+        # Fault injection, not a mock: the real consolidation runs, then a manifest row goes missing
+        # on disk, as a crashed or concurrent writer would leave it.
+        done = real_finish(params, vdir, info, keep)
+        manifest = pl.read_parquet(vdir / "manifest.parquet")
+        manifest.filter(pl.col("source_id") != "acct5").write_parquet(vdir / "manifest.parquet")
+        return done
+
+    monkeypatch.setattr(extract_module, "finish_dataset", finish_then_lose_a_row)
+    with pytest.raises(AccountingError, match=r"sample 'acct5' \(line 6, key [0-9a-f]{12}\) is in neither "
+                                              r"manifest.parquet nor the failures of"):
+        extract(ExtractParameters(prompts=str(prompts), model_path=str(tiny_model_dir), out=str(tmp_path / "o"),
+                                  batch_size=4))
+    monkeypatch.undo()
+
+    # A clean re-run writes the manifest again from the shards: the files agree, and are read back.
+    summary = extract(ExtractParameters(prompts=str(prompts), model_path=str(tiny_model_dir), out=str(tmp_path / "o"),
+                                        batch_size=4))
+    assert (summary["written"], summary["duplicates"], summary["rejected"], summary["failed"]) == (8, 1, 1, 0)
+    vdir = Path(summary["version_dir"])
+    record = vdir / "runs" / f"{summary['run']}.json"
+    prepared = prepare_prompts(prompts, AutoTokenizer.from_pretrained(tiny_model_dir), max_length=2048)
+    assert reconcile(vdir, prepared, record).written == 8
+
+    # each kind of damage is named: a sample whose shard is gone, an extra row, a failure that was written
+    manifest = pl.read_parquet(vdir / "manifest.parquet")
+    lost_shard = manifest.filter(pl.col("source_id") == "acct1")["shard"][0]
+    (vdir / "shards" / lost_shard).rename(tmp_path / lost_shard)
+    with pytest.raises(AccountingError, match=rf"sample 'acct1' \(key [0-9a-f]{{12}}\): its shard \S+{lost_shard} "
+                                              r"is missing"):
+        reconcile(vdir, prepared, record)
+    (tmp_path / lost_shard).rename(vdir / "shards" / lost_shard)
+    extra = manifest.head(1).with_columns(pl.lit("stranger").alias("source_id"), pl.lit("f" * 32).alias("sample_key"))
+    pl.concat([manifest, extra]).write_parquet(vdir / "manifest.parquet")
+    with pytest.raises(AccountingError, match="manifest.parquet row 'stranger' .* is no sample of the input"):
+        reconcile(vdir, prepared, record)
+    manifest.write_parquet(vdir / "manifest.parquet")
+    written = manifest.row(0, named=True)
+    record.write_text(json.dumps({"summary": {}, "failed": [{"sample_key": written["sample_key"],
+                                                             "source_id": written["source_id"]}]}))
+    with pytest.raises(AccountingError, match=f"sample '{written['source_id']}' .* is both in manifest.parquet and "
+                                              "among the failures"):
+        reconcile(vdir, prepared, record)
+
+
+def gone(pid: int) -> bool:
+    """The process has exited (a zombie not yet reaped counts as gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_a_hung_server_is_killed_and_restarted_and_nothing_is_lost(prefect_api, tiny_model_dir, tmp_path, caplog):
+    rows = conversations(24, tag="hung")
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", rows)
+    out, stopped = tmp_path / "out", []
+    stopper = kill_the_server_after(out, shards=2, kills=stopped, sig=signal.SIGSTOP)  # alive, answers nothing
+    started = time.monotonic()
+    summary = extract(ExtractParameters(prompts=str(prompts), model_path=str(tiny_model_dir), out=str(out),
+                                        batch_size=3, max_in_flight=2, concurrent_batches=1, backoff_s=0.05,
+                                        server=ServerOptions(health_timeout_s=2)))
+    took = time.monotonic() - started
+    stopper.join(5)
+    assert len(stopped) == 1, "the server was never stopped"
+    assert took < 150, f"the run took {took:.0f}s: the hung server was not noticed"
+    assert gone(stopped[0]), "the hung server was left running"
+    assert (summary["written"], summary["failed"], summary["written_this_run"]) == (24, 0, 24)
+    vdir = Path(summary["version_dir"])
+    assert len(list((vdir / "runs").glob("*-server-restart1.log"))) == 1
+    hung = [r.getMessage() for r in caplog.records if "is hung" in r.getMessage()]
+    assert hung and "/health failed 2 times in a row" in hung[0] and "its log ends" in hung[0], hung
+    model, layer_ids = load_reference_model(str(tiny_model_dir)), json.loads((vdir / "dataset.json").read_text())["layer_ids"]
+    dataset = TrainingSetDataset(vdir)
+    assert len(dataset) == 24
+    for i in range(len(dataset)):
+        sample = dataset[i]
+        aux, final = reference_hidden_states(model, sample["input_ids"].tolist(), layer_ids)
+        assert (sample["aux_hidden_states"] - aux).abs().max() <= 1e-4
+        assert (sample["hidden_states"] - final).abs().max() <= 1e-4
+
+
+def test_a_hung_server_past_the_restart_budget_fails_the_run_with_the_reason(prefect_api, tiny_model_dir, tmp_path):
+    from flows.extract import RunFailed
+
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", conversations(24, tag="hung0"))
+    out, stopped = tmp_path / "out", []
+    stopper = kill_the_server_after(out, shards=1, kills=stopped, sig=signal.SIGSTOP)
+    started = time.monotonic()
+    with pytest.raises(RunFailed, match=r"the server died 1 times \(--server-restarts 0\); last: the server on "
+                                        r"localhost port \d+ \(log .*\) is hung: /health failed 2 times"):
+        extract(ExtractParameters(prompts=str(prompts), model_path=str(tiny_model_dir), out=str(out), batch_size=3,
+                                  max_in_flight=2, concurrent_batches=1, backoff_s=0.05, server_restarts=0,
+                                  server=ServerOptions(health_timeout_s=2)))
+    stopper.join(5)
+    assert time.monotonic() - started < 120
+    assert len(stopped) == 1 and gone(stopped[0]), "the hung server was left running"
+
+
+def run_cli(args: list[str], log_path: Path, timeout: float = 300) -> tuple[int, str]:
+    """``python -m flows.extract ARGS`` as from a shell (against the test's Prefect API); (exit code, terminal)."""
+    with open(log_path, "wb") as log:
+        code = subprocess.run([sys.executable, "-m", "flows.extract", *args], cwd=REPO, stdout=log,
+                              stderr=subprocess.STDOUT, timeout=timeout).returncode
+    return code, log_path.read_text()
+
+
+def test_a_failed_run_prints_one_line_per_failure_and_keeps_the_traceback_in_the_log(prefect_api, tiny_model_dir,
+                                                                                      tmp_path):
+    rows = conversations(6, tag="line")
+    rows[2] = {"id": "too-long", "messages": [
+        {"role": "user", "content": "tell me a story " * 400}, {"role": "assistant", "content": "no."}]}
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", rows)
+    out = tmp_path / "out"
+    code, terminal = run_cli(["--prompts", str(prompts), "--model-path", str(tiny_model_dir), "--out", str(out),
+                              "--max-length", "4000", "--", "--context-length", "512"], tmp_path / "terminal.txt")
+    assert code == 1
+    assert "Traceback" not in terminal, terminal[-4000:]
+    (failed,) = [line for line in terminal.splitlines() if line.startswith("failed: ")]
+    assert failed.startswith("failed: sample 'too-long' (key ") and "ServerRejected" in failed
+    assert "longer than the model's context length (512 tokens)" in failed
+    (last,) = [line for line in terminal.splitlines() if line.startswith("extract: failed: ")]
+    assert last.startswith("extract: failed: RunFailed: 1 of 6 samples failed, over the failure budget of 0")
+    assert terminal.count("over the failure budget") == 1, "the run's failure was repeated on the terminal"
+    assert terminal.count("longer than the model's context length") == 1, "the sample's failure was repeated"
+    (log_file,) = (out / "logs").glob("extract-*.log")
+    log = log_file.read_text()
+    assert str(log_file) in last and "Traceback" in log and "RunFailed" in log
+    assert "attempt 1 of 3: ServerRejected" in log, "the per-attempt warning is missing from the log file"
+
+
+def test_a_full_output_disk_names_the_shard_and_a_rerun_completes(prefect_api, tiny_model_dir, tmp_path):
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", conversations(12, tag="full"))
+    out = tmp_path / "out"
+    versions = out / "versions"
+    versions.mkdir(parents=True)
+    # A real small filesystem for the dataset versions (the dumps and the log stay on the big disk).
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1500k", "tmpfs", str(versions)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"mounting a tmpfs needs root: {mounted.stderr.decode().strip()}")
+    try:
+        code, terminal = run_cli(["--prompts", str(prompts), "--model-path", str(tiny_model_dir), "--out", str(out),
+                                  "--batch-size", "2", "--concurrent-batches", "1"], tmp_path / "terminal.txt")
+        assert code == 1
+        assert "Traceback" not in terminal, terminal[-4000:]
+        (last,) = [line for line in terminal.splitlines() if line.startswith("extract: failed: ")]
+        assert re.search(rf"ShardWriteFailed: \[Errno 28\] cannot write shard {re.escape(str(versions))}/\w+/shards/"
+                         r"shard-[\w-]+\.safetensors: No space left on device", last), last
+        assert not list(versions.glob("*/shards/.*")), "a temporary shard file was left behind"
+
+        subprocess.run(["mount", "-o", "remount,size=64m", str(versions)], check=True)  # space freed
+        summary = extract(ExtractParameters(prompts=str(prompts), model_path=str(tiny_model_dir), out=str(out),
+                                            batch_size=2))
+        assert (summary["written"], summary["failed"]) == (12, 0)
+        assert summary["already_present"] > 0, "the shards written before the disk was full were not kept"
+        manifest = pl.read_parquet(Path(summary["version_dir"]) / "manifest.parquet")
+        assert manifest.height == 12 and manifest["sample_key"].n_unique() == 12
+    finally:
+        subprocess.run(["umount", "-l", str(versions)], check=False)

@@ -181,7 +181,7 @@ def test_shard_write_is_atomic_on_error_and_on_crash(tmp_path):
                            capture_output=True, text=True, timeout=120)
     assert child.returncode == -signal.SIGXFSZ, child.stdout + child.stderr
     assert "failed: 27" in child.stdout  # EFBIG, raised and the temporary file removed
-    assert f"shard {path}: cannot reserve" in child.stdout  # the message names the shard
+    assert f"cannot write shard {path}: File too large" in child.stdout  # the message names the shard
     # The old shard is whole and still the one under the name; the killed write left only
     # a dot-named temporary file, which no reader takes for a shard.
     # (The writer reserves the whole file first, so the crash comes before any sample is written.)
