@@ -255,7 +255,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     cmd = [sys.executable, "-m", "patches.sglang_serve", *plan.argv]
     print(f"patches.launch: SGLang {rel.version}: {shlex.join(cmd)} (API key from {API_KEY_ENV}; its output "
           f"shows it as ***)", file=sys.stderr, flush=True)
-    sys.exit(run_redacting(cmd, child_env(dict(os.environ)), key))
+    code = run_redacting(cmd, child_env(dict(os.environ)), key)
+    if code < 0:  # end as SGLang ended, so that a supervisor records the same exit
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    sys.exit(code)
 
 
 def run_redacting(cmd: list[str], env: dict[str, str], secret: str) -> int:
