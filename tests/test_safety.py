@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,7 +21,7 @@ from prefect import get_client
 from prefect.blocks.system import Secret
 from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 from prefect.client.schemas.sorting import FlowRunSort
-from prefect.logging.handlers import APILogHandler
+from prefect.logging.handlers import APILogWorker
 from transformers import AutoTokenizer
 
 from flows.extract import ExtractParameters, ServerOptions, extract
@@ -36,11 +37,11 @@ KEY = "k3y-0f-th1s-test-7f3a9c"
 
 
 class ProcessWatch:
-    """Samples every command line on this machine (``ps -eo args``) while a run goes on, and asks each
-    server it sees (``--port N``) for ``/model_info`` without the key."""
+    """Samples every command line on this machine (``ps``) while a run goes on, and asks the servers
+    of this test (their command line names ``folder``) for ``/model_info`` without the key."""
 
-    def __init__(self, server_module: str):
-        self.server_module, self.lines, self.unauthorized = server_module, set(), set()
+    def __init__(self, folder: Path):
+        self.folder, self.lines, self.unauthorized = str(folder), set(), set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -54,20 +55,19 @@ class ProcessWatch:
 
     def _run(self) -> None:
         while not self._stop.wait(0.05):
-            for line in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout.splitlines():
+            for line in subprocess.run(["ps", "-eww", "-o", "args"], capture_output=True, text=True).stdout.splitlines():
                 self.lines.add(line)
-                if self.server_module in line and "--port" in line:
-                    argv = line.split()
-                    port = argv[argv.index("--port") + 1]
+                port = re.search(r" --port (\d+)", line)
+                if self.folder in line and port:
                     try:
-                        self.unauthorized.add(requests.get(f"http://127.0.0.1:{port}/model_info", timeout=2).status_code)
+                        self.unauthorized.add(requests.get(f"http://127.0.0.1:{port[1]}/model_info", timeout=2).status_code)
                     except requests.RequestException:
                         pass  # not listening yet, or gone
 
 
 def flow_run_texts(flow_run_id) -> list[str]:
     """What Prefect's API holds of a flow run: its parameters, its artifacts, its logs."""
-    APILogHandler.flush()
+    APILogWorker.drain_all(timeout=10)
     with get_client(sync_client=True) as client:
         run = client.read_flow_run(flow_run_id)
         artifacts = [a for a in client.read_artifacts() if a.flow_run_id == flow_run_id]
@@ -98,11 +98,11 @@ def test_the_api_key_reaches_the_server_and_nothing_else(source, prefect_api, ti
     prompts = write_jsonl(tmp_path / "prompts.jsonl", conversations(4))
     params = ExtractParameters(prompts=str(prompts), model_path=str(tiny_model_dir),
                                out=str(tmp_path / "out"), server=server, batch_size=2)
-    with ProcessWatch("infra.local_server") as watch:
+    with ProcessWatch(tmp_path) as watch:
         summary = extract(params)
     assert summary["written_this_run"] == 4 and summary["failed"] == 0
     assert watch.unauthorized == {401}, "the server did not require the key"
-    assert any("infra.local_server" in line for line in watch.lines)
+    assert any("infra.local_server" in line and str(tmp_path) in line for line in watch.lines)
     assert not [line for line in watch.lines if KEY in line], "the key was on a command line"
     written = [p for p in (tmp_path / "out").rglob("*") if p.is_file() and p.suffix in (".log", ".json", ".jsonl")]
     assert any(p.name.endswith("-server.log") for p in written) and any(p.parent.name == "runs" for p in written)
@@ -177,7 +177,7 @@ def test_the_sglang_launcher_keeps_the_key_off_its_command_line_and_out_of_its_l
         while "ready" not in log_path.read_text():
             assert launcher.poll() is None and time.monotonic() < deadline, log_path.read_text()
             time.sleep(0.1)
-        command_lines = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+        command_lines = subprocess.run(["ps", "-eww", "-o", "args"], capture_output=True, text=True).stdout
         assert "patches.sglang_serve" in command_lines and KEY not in command_lines
         launcher.terminate()  # the launcher alone, as a supervisor does: it passes SIGTERM on
         assert launcher.wait(30) == -signal.SIGTERM
