@@ -110,6 +110,24 @@ def test_the_api_key_reaches_the_server_and_nothing_else(source, prefect_api, ti
     assert not [text for text in flow_run_texts(last_flow_run_id()) if KEY in text]
 
 
+def test_a_saved_node_block_names_the_secret_block_and_the_flows_option_overrides_it(prefect_api, tmp_path):
+    from prefect import flow
+
+    from flows.extract import NodeOptions, server_api_key
+    from infra.node_block import SshNodeBlock
+
+    Secret(value=KEY).save("eagle3-node-key", overwrite=True)
+    Secret(value="another-key").save("eagle3-other-key", overwrite=True)
+    SshNodeBlock(node="ssh://me@gpu:22", ssh_key="not a key", api_key_block="eagle3-node-key").save(
+        "eagle3-keyed-node", overwrite=True)
+    key_of = flow(server_api_key)
+    node = NodeOptions(block="eagle3-keyed-node")
+    assert key_of(ExtractParameters(node=node)) == KEY
+    assert key_of(ExtractParameters(node=node, server=ServerOptions(api_key_block="eagle3-other-key"))) == "another-key"
+    with pytest.raises(ValueError, match="cannot load the Prefect Secret block 'no-such-block'"):
+        key_of(ExtractParameters(server=ServerOptions(api_key_block="no-such-block")))
+
+
 def test_a_server_listens_beyond_loopback_only_when_allowed(tiny_model_dir, tmp_path):
     for engine in ("transformers", "sglang"):
         with pytest.raises(NonLoopbackRefused, match=r"listen beyond loopback \(0\.0\.0\.0\).*--allow-non-loopback"):

@@ -20,7 +20,8 @@ from transformers import AutoTokenizer
 
 from flows.extract import REPO, ExtractParameters, NodeNotReady, NodeOptions, ServerOptions, extract
 from infra.server import ServerConfig, ServerStartError
-from infra.ssh import HostKeyChanged, HostKeyUnknown, NodeCommandFailed, SshAuthFailed, SshNode, SshSettings
+from infra.ssh import (HostKeyChanged, HostKeyUnknown, NodeCommandFailed, SshAuthFailed, SshHost, SshNode,
+                        SshSettings)
 from patches.launch import API_KEY_ENV, dump_arg_parser, plan_launch
 from patches.sglang_releases import SUPPORTED_RELEASES
 from tests.sshd import keygen
@@ -401,7 +402,6 @@ def test_crash_and_cancellation_hooks_stop_the_servers_a_run_noted(prefect_api, 
 
     from flows.extract import record_node_server, stop_node_servers
     from infra.node_agent import group_alive
-    from infra.ssh import SshHost
 
     out = tmp_path / "out"
     options = node_options(sshd, tmp_path / "work")
@@ -441,3 +441,32 @@ def test_more_commands_at_once_than_sshd_sessions_wait_their_turn(sshd, tmp_path
         with ThreadPoolExecutor(16) as pool:
             answers = list(pool.map(lambda i: node.run(["sh", "-c", f"sleep 0.5; echo {i}"]).stdout, range(16)))
         assert answers == [f"{i}\n".encode() for i in range(16)] and node.reconnects == 0
+
+
+def test_a_node_server_gets_the_key_on_stdin_and_no_command_line_holds_it(sshd, tiny_model_dir, tmp_path):
+    """sshd runs on this machine, so ``ps`` here sees the node's command lines too (the agent's, the
+    supervisor's, the server's)."""
+    import requests
+
+    from infra.server import start_server
+    from tests.test_safety import KEY, ProcessWatch
+
+    (tmp_path / "dumps").mkdir()
+    config = ServerConfig(model_path=tiny_model_dir, dump_dir=tmp_path / "dumps", rid_prefix="eagle3-", api_key=KEY,
+                          skip_server_warmup=True)
+    log_path = tmp_path / "runs" / "keyed-server.log"
+    with SshNode(settings(sshd, tmp_path / "work")) as node, ProcessWatch(tmp_path) as watch:
+        node.prepare()
+        host = SshHost(node, lease_timeout_s=600)
+        server = start_server(config, log_path, host=host, ready_timeout_s=120)
+        try:
+            assert requests.get(f"{server.url}/model_info", timeout=10).status_code == 401
+            assert requests.get(f"{server.url}/model_info", headers=server.headers(), timeout=10).status_code == 200
+            assert not (Path(server.process.server_dir) / "env.json").exists()  # read once by the supervisor
+        finally:
+            server.stop()
+            host.close()
+    assert watch.unauthorized == {401}
+    assert any("infra.local_server" in line and str(tmp_path) in line for line in watch.lines)
+    assert not [line for line in watch.lines if KEY in line]
+    assert "node_agent: server exited with code 0" in log_path.read_text() and KEY not in log_path.read_text()
