@@ -15,7 +15,6 @@ import contextlib
 import json
 import os
 import shlex
-import socket
 import sys
 import threading
 import time
@@ -45,7 +44,7 @@ from infra.ssh import DumpMirror, NodeCommandFailed, SshError, SshHost, SshNode,
 from infra.tiny_model import build_tiny_model
 from patches.dumps import DumpReader
 from patches.launch import API_KEY_ENV
-from tasks.dataset_version import ModelFacts, extraction_config, read_model_facts, version_dir, version_lock
+from tasks.dataset_version import ModelFacts, extraction_config, read_model_facts, version_dir, lock_holder, version_lock
 from tasks.exports import check_exports
 from tasks.chat_template import DEFAULT_ENABLE_THINKING, DEFAULT_TEMPLATE_DATE, TemplateVariables, template_hash
 from tasks.prompts import write_rejects
@@ -385,8 +384,7 @@ def extract(params: ExtractParameters = ExtractParameters()) -> dict:
     vdir = version_dir(out, config)
     (vdir / "shards").mkdir(parents=True, exist_ok=True)
     # One run writes a version folder at a time (CLI runs, both deployments): an OS lock, dropped with the process.
-    holder = {"flow_run": str(current_flow_run.id), "name": current_flow_run.name, "pid": os.getpid(),
-              "host": socket.gethostname(), "since": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    holder = lock_holder(flow_run=str(current_flow_run.id), name=current_flow_run.name)
     with version_lock(vdir, holder, params.version_wait_s,
                       on_wait=lambda other: log.warning("dataset version folder %s is being written by another run "
                                                         "(%s); waiting up to %.0f s", vdir, other,

@@ -17,8 +17,11 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import os
+import socket
 import time
 from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -108,6 +111,12 @@ def version_dir(out: Path, config: ExtractionConfig) -> Path:
 LOCK_NAME = "run.lock"
 
 
+def lock_holder(**what: str) -> dict:
+    """Who holds a version lock, as written into the lock file: ``what`` (the run) and this process."""
+    return {**what, "pid": os.getpid(), "host": socket.gethostname(),
+            "since": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+
+
 class VersionBusy(RuntimeError):
     """Another run writes the dataset version folder; the message names the folder and that run."""
 
@@ -115,7 +124,7 @@ class VersionBusy(RuntimeError):
 @contextlib.contextmanager
 def version_lock(vdir: Path, holder: dict, wait_s: float = 0.0,
                  on_wait: Callable[[str], None] | None = None) -> Iterator[None]:
-    """Hold ``vdir``'s lock while the block runs; ``holder`` (this run, as JSON) is written into the
+    """Hold ``vdir``'s lock while the block runs; ``holder`` (:func:`lock_holder`) is written into the
     lock file so that a run refused meanwhile can name it. Another run holding it: wait up to
     ``wait_s`` (``on_wait(holder of the other run)`` once), then raise :class:`VersionBusy`."""
     path = vdir / LOCK_NAME

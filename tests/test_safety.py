@@ -236,6 +236,9 @@ def test_a_second_run_on_a_version_refuses_or_waits_and_a_killed_run_leaves_no_l
                                               '.*"name": "the-other-run"'):
             extract(ExtractParameters(**base))
         assert sorted((vdir / "shards").iterdir()) == shards  # the refused run wrote nothing
+        exports = subprocess.run([sys.executable, "-m", "tasks.exports", str(vdir), "specforge"], cwd=REPO,
+                                 capture_output=True, text=True, timeout=300)
+        assert exports.returncode == 1 and "the-other-run" in exports.stderr and not (vdir / "exports").exists()
 
         # Waiting: the other run is killed meanwhile; the kernel drops its lock with it.
         threading.Timer(3, holder.kill).start()
@@ -285,3 +288,44 @@ def test_truncated_samples_are_counted_listed_and_logged_once(prefect_api, tiny_
     assert sorted(record["truncated"]) == over and record["summary"]["truncated"] == 2
     logged = [t for t in flow_run_texts(last_flow_run_id()) if "cut to --max-length" in t]
     assert logged == ["2 samples were cut to --max-length 64 tokens (their ids: the run record)"]
+
+
+def lock_pid(vdir: Path) -> int | None:
+    """The pid the version's lock file names (its holder, or the last one)."""
+    try:
+        return json.loads((vdir / LOCK_NAME).read_text())["pid"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def test_two_real_runs_on_one_version_take_turns(prefect_api, tiny_model_dir, tmp_path):
+    """A command-line run (its own process) holds the version; a run started meanwhile waits for it,
+    then finds every sample written: one shard set, no sample twice."""
+    import polars as pl
+
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", conversations(2))
+    base = dict(prompts=str(prompts), model_path=str(tiny_model_dir), out=str(tmp_path / "out"))
+    vdir = Path(extract(ExtractParameters(**base))["version_dir"])
+    write_jsonl(prompts, conversations(2) + conversations(6, tag="new"))
+    log = tmp_path / "first-run.log"
+    with open(log, "wb") as stderr:
+        first = subprocess.Popen([sys.executable, "-m", "flows.extract", "--prompts", str(prompts), "--model-path",
+                                  str(tiny_model_dir), "--out", str(tmp_path / "out"), "--batch-size", "2"],
+                                 cwd=REPO, stdout=subprocess.DEVNULL, stderr=stderr)
+    try:
+        deadline = time.monotonic() + 300
+        while lock_pid(vdir) != first.pid:
+            assert first.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
+        second = extract(ExtractParameters(**base, version_wait_s=300))
+        assert first.wait(300) == 0, log.read_text()[-3000:]
+    finally:
+        if first.poll() is None:
+            first.kill()
+    records = sorted((vdir / "runs").glob("*.json"), key=lambda p: p.stat().st_mtime)
+    by_first = json.loads(records[-2].read_text())["summary"]
+    assert (by_first["written_this_run"], second["written_this_run"], second["already_present"]) == (6, 0, 8)
+    manifest = pl.read_parquet(vdir / "manifest.parquet")
+    assert manifest.height == 8 and manifest["sample_key"].n_unique() == 8
+    waited = [t for t in flow_run_texts(last_flow_run_id()) if "is being written by another run" in t]
+    assert waited and f'"pid": {first.pid}' in waited[0]
