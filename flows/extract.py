@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any, Callable, Literal
 
 from prefect import flow, get_run_logger
-from prefect.blocks.system import Secret
 from prefect.artifacts import (create_markdown_artifact, create_progress_artifact, create_table_artifact,
                               update_progress_artifact)
+from prefect.blocks.system import Secret
 from prefect.futures import as_completed, wait
 from prefect.runtime import flow_run as current_flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
@@ -44,7 +44,8 @@ from infra.ssh import DumpMirror, NodeCommandFailed, SshError, SshHost, SshNode,
 from infra.tiny_model import build_tiny_model
 from patches.dumps import DumpReader
 from patches.launch import API_KEY_ENV
-from tasks.dataset_version import ModelFacts, extraction_config, read_model_facts, version_dir, lock_holder, version_lock
+from tasks.dataset_version import (ModelFacts, extraction_config, lock_holder, read_model_facts, version_dir,
+                                  version_lock)
 from tasks.exports import check_exports
 from tasks.chat_template import DEFAULT_ENABLE_THINKING, DEFAULT_TEMPLATE_DATE, TemplateVariables, template_hash
 from tasks.prompts import write_rejects

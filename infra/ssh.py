@@ -287,22 +287,22 @@ class SshNode:
             retry: bool = True, timeout_s: float | None = None) -> CommandResult:
         """Run ``argv`` on the node; re-run it after a dropped connection when ``retry``
         (only for commands that are safe to run twice)."""
-        line = shown = self.command_line(argv, cwd)
+        line = self.command_line(argv, cwd)
         deadline = None  # from the first loss: a command may run for hours before one
         delay = 0.5
         while True:
             try:
-                result = self._exec(line, stdin, timeout_s, shown)
+                result = self._exec(line, stdin, timeout_s)
                 break
             except SshConnectionLost as exc:
                 deadline = deadline or time.monotonic() + self.settings.reconnect_for_s
                 if not retry or time.monotonic() > deadline:
                     raise
-                log.warning("%s: %s; running `%s` again", self.name, exc, shown[:200])
+                log.warning("%s: %s; running `%s` again", self.name, exc, line[:200])
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0)
         if check and result.code != 0:
-            raise NodeCommandFailed(self.name, shown, result.code, result.stderr)
+            raise NodeCommandFailed(self.name, line, result.code, result.stderr)
         return result
 
     def open_session(self) -> paramiko.Channel:
@@ -317,12 +317,12 @@ class SshNode:
             self._drop()
             raise SshConnectionLost(f"{self.name}: cannot open a channel: {type(exc).__name__}: {exc}") from exc
 
-    def _exec(self, line: str, stdin: bytes, timeout_s: float | None, shown: str) -> CommandResult:
-        """Run one shell line; ``shown`` is how messages name it (a long line cut)."""
+    def _exec(self, line: str, stdin: bytes, timeout_s: float | None) -> CommandResult:
+        """Run one shell line."""
         with self.sessions:
-            return self._exec_in_session(line, stdin, timeout_s, shown)
+            return self._exec_in_session(line, stdin, timeout_s)
 
-    def _exec_in_session(self, line: str, stdin: bytes, timeout_s: float | None, shown: str) -> CommandResult:
+    def _exec_in_session(self, line: str, stdin: bytes, timeout_s: float | None) -> CommandResult:
         chan = self.open_session()
         err: list[bytes] = []
         try:
@@ -338,13 +338,13 @@ class SshNode:
             code = chan.recv_exit_status()
         except (paramiko.SSHException, EOFError, OSError) as exc:
             self._drop()
-            raise SshConnectionLost(f"{self.name}: connection lost during `{shown[:200]}`: "
+            raise SshConnectionLost(f"{self.name}: connection lost during `{line[:200]}`: "
                                     f"{type(exc).__name__}: {exc}") from exc
         finally:
             chan.close()
         if code == -1 or not chan.exit_status_ready():
             self._drop()
-            raise SshConnectionLost(f"{self.name}: connection lost during `{shown[:200]}` (no exit status)")
+            raise SshConnectionLost(f"{self.name}: connection lost during `{line[:200]}` (no exit status)")
         return CommandResult(code, out, b"".join(err).decode("utf-8", "replace"))
 
     def _drop(self) -> None:
@@ -401,7 +401,7 @@ class SshNode:
             steps = [["mkdir", "-p", tmp], ["tar", "-xzf", "-", "-C", tmp], ["touch", f"{tmp}/.complete"],
                      ["mv", "-T", tmp, target]]
             line = " && ".join(shlex.join(s) for s in steps)
-            result = self._exec(line, buf.getvalue(), 120, line)
+            result = self._exec(line, buf.getvalue(), 120)
             if result.code != 0 and self.run(["test", "-f", f"{target}/.complete"], check=False).code != 0:
                 raise NodeCommandFailed(self.name, line, result.code, result.stderr)
             self.run(["rm", "-rf", tmp], check=False)
