@@ -20,7 +20,7 @@ from typing import Literal, Sequence
 import requests
 
 from infra.hosts import Host, LocalHost, ServerProcess, free_port
-from patches.launch import API_KEY_ENV, KEY_FLAGS
+from patches.launch import API_KEY_ENV, KEY_FLAGS, flag_values
 
 __all__ = ["ServerConfig", "RunningServer", "ServerStartError", "ForeignServer", "NonLoopbackRefused",
            "start_server", "wait_healthy", "free_port", "listen_hosts", "check_server_args"]
@@ -39,17 +39,6 @@ class NonLoopbackRefused(ValueError):
     """The server's flags would make it listen beyond loopback, and that was not explicitly allowed."""
 
 
-def _flag_values(args: Sequence[str], flag: str) -> list[str]:
-    """Every value of ``flag`` in ``args``, as ``flag VALUE`` or ``flag=VALUE``."""
-    values = []
-    for i, arg in enumerate(args):
-        if arg == flag:
-            values.append(args[i + 1] if i + 1 < len(args) else "")
-        elif arg.startswith(flag + "="):
-            values.append(arg[len(flag) + 1:])
-    return values
-
-
 def _is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -62,14 +51,14 @@ def _is_loopback(host: str) -> bool:
 def listen_hosts(extra_args: Sequence[str]) -> list[str]:
     """The addresses beyond loopback that ``extra_args`` make a server (either engine) listen on;
     ``--config FILE`` (SGLang) counts as one, since the file may set ``host``."""
-    hosts = [h for h in _flag_values(extra_args, "--host") if not _is_loopback(h)]
-    return hosts + [f"whatever --config {c} sets" for c in _flag_values(extra_args, "--config")]
+    hosts = [h for h in flag_values(extra_args, "--host") if not _is_loopback(h)]
+    return hosts + [f"whatever --config {c} sets" for c in flag_values(extra_args, "--config")]
 
 
 def check_server_args(extra_args: Sequence[str], allow_non_loopback: bool) -> None:
     """Refuse the API key on the command line, and listening beyond loopback unless allowed."""
     for flag in KEY_FLAGS:
-        if _flag_values(extra_args, flag):
+        if flag_values(extra_args, flag):
             raise ValueError(f"{flag} among the server's flags: a key on a command line is visible to every user "
                              f"of the host (ps); give it as a Prefect Secret block (--api-key-block), a file "
                              f"(--api-key-file) or the {API_KEY_ENV} environment variable")

@@ -43,6 +43,17 @@ API_KEY_ENV = "EAGLE3_API_KEY"
 KEY_FLAGS = ("--api-key", "--admin-api-key")
 
 
+def flag_values(args: Sequence[str], flag: str) -> list[str]:
+    """Every value ``args`` give ``flag`` (``flag VALUE`` or ``flag=VALUE``), abbreviations included:
+    argparse, which parses both engines' flags, takes any unambiguous prefix (``--ho`` for ``--host``)."""
+    values = []
+    for i, arg in enumerate(args):
+        name, eq, value = arg.partition("=")
+        if len(name) > 2 and name.startswith("--") and flag.startswith(name):
+            values.append(value if eq else (args[i + 1] if i + 1 < len(args) else ""))
+    return values
+
+
 class LaunchRefused(ValueError):
     """The server flags or the model would give wrong or missing dumps; the message says which."""
 
@@ -83,8 +94,6 @@ def _server_flag_parser() -> argparse.ArgumentParser:
     p.add_argument("--attn-cp-size", "--attention-context-parallel-size", dest="attn_cp_size", type=int, default=1)
     p.add_argument("--dcp-size", dest="dcp_size", type=int, default=1)
     p.add_argument("--enable-layernorm-sp", action="store_true")
-    for flag in KEY_FLAGS:
-        p.add_argument(flag)
     p.add_argument("--disable-prefill-cuda-graph", action="store_true")
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--cuda-graph-backend-prefill")
@@ -143,7 +152,7 @@ def plan_launch(rel: Release, dump_args: argparse.Namespace, server_argv: Sequen
                             f"so ids must be distinct HF hidden_states indices in [1, {num_layers})")
 
     for flag in KEY_FLAGS:
-        if getattr(flags, flag[2:].replace("-", "_")) is not None:
+        if flag_values(server_argv, flag):
             raise LaunchRefused(f"{flag} on the command line is visible to every user of the node (ps); "
                                 f"put the key in the environment variable {API_KEY_ENV} instead")
     for name, value in (("--pp-size", flags.pp_size), ("--attn-cp-size", flags.attn_cp_size),

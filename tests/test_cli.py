@@ -106,7 +106,9 @@ def test_server_flags_cannot_open_the_server_beyond_loopback_or_carry_the_key(en
     for extra, why in ((["--host", "0.0.0.0"], "listen beyond loopback (0.0.0.0)"),
                        (["--host=10.1.2.3"], "listen beyond loopback (10.1.2.3)"),
                        (["--config", "c.yaml"], "whatever --config c.yaml sets"),
-                       (["--api-key", "s3cret"], "--api-key among the server's flags")):
+                       (["--ho", "0.0.0.0"], "listen beyond loopback (0.0.0.0)"),  # argparse takes prefixes
+                       (["--api-key", "s3cret"], "--api-key among the server's flags"),
+                       (["--api-k=s3cret"], "--api-key among the server's flags")):
         with pytest.raises(SystemExit):
             parse_args(["--engine", engine, "--", *extra])
         err = capsys.readouterr().err

@@ -208,7 +208,7 @@ def test_the_sglang_launcher_keeps_the_key_off_its_command_line_and_out_of_its_l
 
 
 def test_the_launcher_refuses_a_key_among_the_sglang_flags(tmp_path):
-    for flags in (["--api-key", KEY], [f"--admin-api-key={KEY}"]):
+    for flags in (["--api-key", KEY], [f"--admin-api-key={KEY}"], ["--api-k", KEY]):
         with pytest.raises(LaunchRefused, match=f"visible to every user of the node.*{API_KEY_ENV}") as refused:
             plan_launch(SUPPORTED_RELEASES["0.5.17"], dump_arg_parser().parse_args(["--dump-dir", str(tmp_path)]),
                         ["--model-path", "/m", *flags], model=("LlamaForCausalLM", 8))
