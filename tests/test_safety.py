@@ -19,7 +19,7 @@ import pytest
 import requests
 from prefect import get_client
 from prefect.blocks.system import Secret
-from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, LogFilter, LogFilterFlowRunId
 from prefect.client.schemas.sorting import FlowRunSort
 from prefect.logging.handlers import APILogWorker
 from transformers import AutoTokenizer
@@ -68,10 +68,14 @@ class ProcessWatch:
 def flow_run_texts(flow_run_id) -> list[str]:
     """What Prefect's API holds of a flow run: its parameters, its artifacts, its logs."""
     APILogWorker.drain_all(timeout=10)
+    logs = []
     with get_client(sync_client=True) as client:
         run = client.read_flow_run(flow_run_id)
-        artifacts = [a for a in client.read_artifacts() if a.flow_run_id == flow_run_id]
-        logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+        while page := client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])), limit=200,
+                                       offset=len(logs)):
+            logs += page
     assert artifacts and logs
     return [json.dumps(run.parameters), *(json.dumps(a.data) + (a.description or "") for a in artifacts),
             *(log.message for log in logs)]
