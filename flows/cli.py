@@ -4,8 +4,7 @@ Each field is a ``--kebab-case`` option (fields of nested models too, flattened;
 given another flag name), its help is the field's description, default and bounds:
 
 - ``Literal`` -> choices; ``bool`` -> ``--x / --no-x``; ``list`` -> several values (``nargs``);
-  ``dict`` -> one JSON value; ``SecretStr`` -> ``--x-file FILE``, read from the file so that the
-  secret never appears in a process list;
+  ``dict`` -> one JSON value;
 - one ``list[str]`` field may take everything after ``--`` as it is (the server's own flags).
 
 Options not given are left out, so the model's defaults apply; the model validates the values and
@@ -19,10 +18,9 @@ import json
 import sys
 import types
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, SecretStr, ValidationError
+from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
 
@@ -65,7 +63,7 @@ def model_options(model: type[BaseModel], flags: dict[str, str] | None = None,
         if isinstance(kind, type) and issubclass(kind, BaseModel):
             options += model_options(kind, flags, path)
             continue
-        flag = "--" + name.replace("_", "-") + ("-file" if kind is SecretStr else "")
+        flag = "--" + name.replace("_", "-")
         options.append(Option(path, flags.get(".".join(path), flag), field, kind, is_list))
     return options
 
@@ -84,13 +82,6 @@ def _bounds_text(field: FieldInfo) -> str:
             if getattr(meta, attr, None) is not None:
                 bounds.append(f"{sign} {getattr(meta, attr)}")
     return f"; {', '.join(bounds)}" if bounds else ""
-
-
-def _read_secret(path: str) -> str:
-    try:
-        return Path(path).expanduser().read_text().strip()
-    except OSError as exc:
-        raise argparse.ArgumentTypeError(f"cannot read the secret file {path}: {exc}") from exc
 
 
 class ModelCli:
@@ -136,8 +127,6 @@ class ModelCli:
             kwargs["action"] = argparse.BooleanOptionalAction
         elif get_origin(kind) is Literal:
             kwargs["choices"] = list(get_args(kind))
-        elif kind is SecretStr:
-            kwargs.update(type=_read_secret, metavar="FILE")
         elif get_origin(kind) is dict or kind is dict:
             kwargs.update(type=json.loads, metavar="JSON")
         elif kind in (int, float, str):

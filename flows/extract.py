@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import shlex
 import socket
 import sys
 import time
@@ -26,12 +28,13 @@ from prefect import flow, get_run_logger
 from prefect.exceptions import TerminationSignal
 from prefect.artifacts import (create_markdown_artifact, create_progress_artifact, create_table_artifact,
                               update_progress_artifact)
+from prefect.blocks.system import Secret
 from prefect.futures import as_completed, wait
 from prefect.runtime import flow_run as current_flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.tasks import exponential_backoff
 from prefect.utilities.annotations import quote
-from pydantic import BaseModel, Field, SecretStr, model_validator
+from pydantic import BaseModel, Field, model_validator
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
@@ -40,13 +43,14 @@ from flows.terminal import FILE_ONLY, log_to_file
 from infra.prefect_api import start_temporary_prefect_api
 from infra.node_block import SshNodeBlock
 from infra.node_slot import node_slot
-from infra.server import RunningServer, ServerConfig, ServerWatch, start_server
-from infra.hosts import redact_command
+from infra.server import RunningServer, ServerConfig, ServerWatch, check_server_args, listen_hosts, start_server
 from infra.ssh import DumpMirror, NodeCommandFailed, SshError, SshHost, SshNode, SshSettings, parse_node_url
 from infra.tiny_model import build_tiny_model
 from patches.dumps import DumpReader
+from patches.launch import API_KEY_ENV
 from tasks.accounting import reconcile
-from tasks.dataset_version import ModelFacts, extraction_config, read_model_facts, version_dir
+from tasks.dataset_version import (ModelFacts, extraction_config, lock_holder, read_model_facts, version_dir,
+                                  version_lock)
 from tasks.exports import check_exports
 from tasks.chat_template import DEFAULT_ENABLE_THINKING, DEFAULT_TEMPLATE_DATE, TemplateVariables, template_hash
 from tasks.prompts import write_rejects
@@ -83,9 +87,13 @@ class ServerOptions(BaseModel):
                                                               "sglang.")
     port: int = Field(0, title="Server port", ge=0, le=65535,
                       description="Loopback port of the server; 0 picks a free one.")
-    api_key: SecretStr | None = Field(None, title="Server API key",
-                                      description="Required by the server on every request; on the command line "
-                                                  "read from a file, never from argv.")
+    api_key_block: str | None = Field(None, title="API key: Prefect Secret block",
+                                      description="Name of a saved Prefect Secret block holding the key the server "
+                                                  "requires on every request (or a file, next; or the "
+                                                  f"{API_KEY_ENV} environment variable; none: no key).")
+    api_key_file: str | None = Field(None, title="API key: file",
+                                     description="A file on the flow's machine holding the server's key (its path "
+                                                 "is the parameter, never the key).")
     ready_timeout_s: float = Field(300.0, title="Start-up timeout (s)", gt=0, le=86400,
                                    description="How long to wait for the server's /health before giving up.")
     health_timeout_s: float = Field(30.0, title="Health-check timeout (s)", gt=0, le=3600,
@@ -93,7 +101,19 @@ class ServerOptions(BaseModel):
                                                 "within this twice in a row, the server is hung: it is killed and "
                                                 "restarted (--server-restarts). Above SGLang's own 20 s.")
     extra_args: list[str] = Field([], title="More server flags",
-                                  description="Passed to the server as they are (after -- on the command line).")
+                                  description="Passed to the server as they are (after -- on the command line); "
+                                              "never --api-key (see above).")
+    allow_non_loopback: bool = Field(False, title="Allow listening beyond loopback",
+                                     description="Let the flags above make the server listen on other interfaces "
+                                                 "(--host 0.0.0.0): anyone who reaches the host can then use it. "
+                                                 "Refused without this; logged with it.")
+
+    @model_validator(mode="after")
+    def _safe_server_args(self) -> "ServerOptions":
+        if self.api_key_block and self.api_key_file:
+            raise ValueError("give the API key one way: --api-key-block or --api-key-file")
+        check_server_args(self.extra_args, self.allow_non_loopback)
+        return self
 
     @property
     def device_or_default(self) -> str:
@@ -178,6 +198,9 @@ class ExtractParameters(BaseModel):
                     "server writer's budget, so a slow reader slows the server instead of losing dumps.")
     concurrent_batches: int = Field(2, title="Batch tasks at once", ge=1, le=64,
                                     description="Batch tasks running at the same time.")
+    version_wait_s: float = Field(0.0, title="Wait for another run on the version (s)", ge=0, le=86400,
+                                  description="Another run writing the same dataset version folder: wait this long "
+                                              "for it to finish, then refuse; 0: refuse at once.")
     attempts: int = Field(3, title="Attempts per sample inside its batch", ge=1, le=20,
                           description="A sample that fails this often goes to its own retry task.")
     sample_retries: int = Field(2, title="Retries of a straggler", ge=0, le=20,
@@ -355,82 +378,93 @@ def extract(params: ExtractParameters = ExtractParameters()) -> dict:
                                template_variables=variables.record())
     vdir = version_dir(out, config)
     (vdir / "shards").mkdir(parents=True, exist_ok=True)
-    log.info("dataset version %s in %s", config.fingerprint(), vdir)
+    # One run writes a version folder at a time (CLI runs, both deployments): an OS lock, dropped with the process.
+    holder = lock_holder(flow_run=str(current_flow_run.id), name=current_flow_run.name)
+    with version_lock(vdir, holder, params.version_wait_s,
+                      on_wait=lambda other: log.warning("dataset version folder %s is being written by another run "
+                                                        "(%s); waiting up to %.0f s", vdir, other,
+                                                        params.version_wait_s)):
+        log.info("dataset version %s in %s", config.fingerprint(), vdir)
 
-    info = DatasetInfo(model=facts.name, layer_ids=list(config.layer_ids), layer_convention=config.layer_convention,
-                       final_states=config.final_states, dtype=config.dtype, store_dtype=config.store_dtype,
-                       hidden_size=facts.hidden_size,
-                       num_layers=facts.num_layers, vocab_size=facts.vocab_size, template_hash=config.template_hash,
-                       max_length=config.max_length, project_version=PROJECT_VERSION,
-                       fingerprint=config.fingerprint(), template_variables=config.template_variables)
-    # An export that cannot be made from this data must fail now, not after hours of extraction.
-    check_exports(params.exports, info)
-    draft_vocab_size_for(info, params.draft_vocab_size)
+        info = DatasetInfo(model=facts.name, layer_ids=list(config.layer_ids), layer_convention=config.layer_convention,
+                           final_states=config.final_states, dtype=config.dtype, store_dtype=config.store_dtype,
+                           hidden_size=facts.hidden_size,
+                           num_layers=facts.num_layers, vocab_size=facts.vocab_size, template_hash=config.template_hash,
+                           max_length=config.max_length, project_version=PROJECT_VERSION,
+                           fingerprint=config.fingerprint(), template_variables=config.template_variables)
+        # An export that cannot be made from this data must fail now, not after hours of extraction.
+        check_exports(params.exports, info)
+        draft_vocab_size_for(info, params.draft_vocab_size)
 
-    mark = time.monotonic()
-    prepared = prepare_step(Path(params.prompts), tokenizer, params.max_length, params.on_overlong, variables)
-    write_rejects(vdir / "rejects.jsonl", prepared.rejected)
-    done = {row["sample_key"] for row in shard_index(params, vdir, config.fingerprint())}
-    todo = [s for s in prepared.samples if s.sample_key not in done]
-    log.info("%d rows: %d samples (%d already extracted), %d duplicates, %d rejected",
-             prepared.rows_in, len(prepared.samples), len(prepared.samples) - len(todo),
-             len(prepared.duplicates), len(prepared.rejected))
+        mark = time.monotonic()
+        prepared = prepare_step(Path(params.prompts), tokenizer, params.max_length, params.on_overlong, variables)
+        write_rejects(vdir / "rejects.jsonl", prepared.rejected)
+        done = {row["sample_key"] for row in shard_index(params, vdir, config.fingerprint())}
+        todo = [s for s in prepared.samples if s.sample_key not in done]
+        log.info("%d rows: %d samples (%d already extracted), %d duplicates, %d rejected",
+                 prepared.rows_in, len(prepared.samples), len(prepared.samples) - len(todo),
+                 len(prepared.duplicates), len(prepared.rejected))
+        truncated = [s.source_id for s in prepared.samples if s.truncated]
+        if truncated:
+            log.warning("%d samples were cut to --max-length %d tokens (their ids: the run record)", len(truncated),
+                        params.max_length)
 
-    phases_s["prompt preparation"] = time.monotonic() - mark
-    run_id = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
-    failures: list[SampleFailure] = []
-    new_tokens = 0
-    extract_s = 0.0
-    stages = StageTimes()  # inside the extraction: where the samples' time went (the run report)
-    mark = time.monotonic()
-    if todo:
-        # One run at a time on a node, when its limit exists (README: "Runs sharing a GPU node").
-        with node_slot(params.node.host_name(), params.node.lease_timeout_s) as waited_s:
-            phases_s["waiting for the node"] = waited_s
-            mark = time.monotonic()
-            new_tokens, failures, extract_s = run_extraction(params, model_path, out, vdir, run_id, todo,
-                                                             config.layer_ids, facts.hidden_size, stages)
-    else:
-        log.info("nothing new to extract: all %d samples are in dataset version %s",
-                 len(prepared.samples), config.fingerprint())
+        phases_s["prompt preparation"] = time.monotonic() - mark
+        run_id = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
+        failures: list[SampleFailure] = []
+        new_tokens = 0
+        extract_s = 0.0
+        stages = StageTimes()  # inside the extraction: where the samples' time went (the run report)
+        mark = time.monotonic()
+        if todo:
+            # One run at a time on a node, when its limit exists (README: "Runs sharing a GPU node").
+            with node_slot(params.node.host_name(), params.node.lease_timeout_s) as waited_s:
+                phases_s["waiting for the node"] = waited_s
+                mark = time.monotonic()
+                new_tokens, failures, extract_s = run_extraction(params, model_path, out, vdir, run_id, todo,
+                                                                 config.layer_ids, facts.hidden_size, stages)
+        else:
+            log.info("nothing new to extract: all %d samples are in dataset version %s",
+                     len(prepared.samples), config.fingerprint())
 
-    phases_s["extraction"] = time.monotonic() - mark
-    failed_keys = {f.sample_key for f in failures}
-    keep = {s.sample_key for s in prepared.samples if s.sample_key not in failed_keys}
-    mark = time.monotonic()
-    consolidated = finish_dataset(params, vdir, info, keep)
-    phases_s["consolidation and exports"] = time.monotonic() - mark
+        phases_s["extraction"] = time.monotonic() - mark
+        failed_keys = {f.sample_key for f in failures}
+        keep = {s.sample_key for s in prepared.samples if s.sample_key not in failed_keys}
+        mark = time.monotonic()
+        consolidated = finish_dataset(params, vdir, info, keep)
+        phases_s["consolidation and exports"] = time.monotonic() - mark
 
-    summary = {
-        "run": run_id, "version": config.fingerprint(), "version_dir": str(vdir),
-        "rows_in": prepared.rows_in, "written": len(keep), "written_this_run": len(todo) - len(failures),
-        "already_present": len(prepared.samples) - len(todo), "duplicates": len(prepared.duplicates),
-        "rejected": len(prepared.rejected), "failed": len(failures), "tokens_this_run": new_tokens,
-        "dataset_tokens": consolidated.tokens, "dataset_bytes": consolidated.bytes,
-        "tokens_per_s": round(new_tokens / extract_s, 1) if extract_s else 0.0,
-        "wall_s": round(time.monotonic() - started, 2),
-    }
-    record = record_run(vdir, run_id, summary, failures)
-    # Read back from the files, not derived from each other: a lost or extra sample is named here.
-    reconcile(vdir, prepared, record, shards_here=not params.node.shards_remote or params.node.fetch)
-    # The UI's tables do not wrap and scroll sideways: counts first, long ids and paths last.
-    create_table_artifact(key="extraction-summary", table=[dict(sorted(
-        summary.items(), key=lambda item: item[0] in ("run", "version", "version_dir")))],
-                          description=f"Dataset version {config.fingerprint()} in {vdir}")
-    if failures:
-        create_table_artifact(key="failed-samples", description="Samples that failed every attempt",
-                              table=[{"source_id": f.source_id, "error": f.error, "attempts": f.attempts,
-                                      "reason": f.reason, "sample_key": f.sample_key} for f in failures])
-    create_markdown_artifact(key="run-report", description=f"Run {run_id}: lengths, throughput, time",
-                             markdown=run_report(summary, [len(s.input_ids) for s in todo
-                                                           if s.sample_key not in failed_keys], phases_s,
-                                                  stages.seconds))
-    log.info("summary: %s", json.dumps(summary))
-    if len(failures) > failure_budget(params, len(todo)):
-        raise RunFailed(f"{len(failures)} of {len(todo)} samples failed, over the failure budget of "
-                        f"{failure_budget(params, len(todo))} (--max-failed-fraction {params.max_failed_fraction}); "
-                        f"the written samples are in {vdir}, the failed ones in {record}", record)
-    return summary
+        summary = {
+            "run": run_id, "version": config.fingerprint(), "version_dir": str(vdir),
+            "rows_in": prepared.rows_in, "written": len(keep), "written_this_run": len(todo) - len(failures),
+            "already_present": len(prepared.samples) - len(todo), "duplicates": len(prepared.duplicates),
+            "rejected": len(prepared.rejected), "failed": len(failures), "truncated": len(truncated),
+            "tokens_this_run": new_tokens,
+            "dataset_tokens": consolidated.tokens, "dataset_bytes": consolidated.bytes,
+            "tokens_per_s": round(new_tokens / extract_s, 1) if extract_s else 0.0,
+            "wall_s": round(time.monotonic() - started, 2),
+        }
+        record = record_run(vdir, run_id, summary, failures, truncated)
+        # Read back from the files, not derived from each other: a lost or extra sample is named here.
+        reconcile(vdir, prepared, record, shards_here=not params.node.shards_remote or params.node.fetch)
+        # The UI's tables do not wrap and scroll sideways: counts first, long ids and paths last.
+        create_table_artifact(key="extraction-summary", table=[dict(sorted(
+            summary.items(), key=lambda item: item[0] in ("run", "version", "version_dir")))],
+                              description=f"Dataset version {config.fingerprint()} in {vdir}")
+        if failures:
+            create_table_artifact(key="failed-samples", description="Samples that failed every attempt",
+                                  table=[{"source_id": f.source_id, "error": f.error, "attempts": f.attempts,
+                                          "reason": f.reason, "sample_key": f.sample_key} for f in failures])
+        create_markdown_artifact(key="run-report", description=f"Run {run_id}: lengths, throughput, time",
+                                 markdown=run_report(summary, [len(s.input_ids) for s in todo
+                                                               if s.sample_key not in failed_keys], phases_s,
+                                                     stages.seconds))
+        log.info("summary: %s", json.dumps(summary))
+        if len(failures) > failure_budget(params, len(todo)):
+            raise RunFailed(f"{len(failures)} of {len(todo)} samples failed, over the failure budget of "
+                            f"{failure_budget(params, len(todo))} (--max-failed-fraction {params.max_failed_fraction}); "
+                            f"the written samples are in {vdir}, the failed ones in {record}", record)
+        return summary
 
 
 def run_extraction(params: ExtractParameters, model_path: str, out: Path, vdir: Path, run_id: str,
@@ -554,15 +588,49 @@ def retry_stragglers(params: ExtractParameters, stragglers: list[SampleFailure],
     return tokens, failures
 
 
+def server_api_key(params: ExtractParameters) -> str | None:
+    """The key the server requires: a Prefect Secret block (``--api-key-block``, else the node block's),
+    a file (``--api-key-file``) or the ``EAGLE3_API_KEY`` environment variable; None without any.
+    It reaches the server in its environment, never in a parameter, command line or log."""
+    opts, log = params.server, get_run_logger()
+    block = opts.api_key_block or (SshNodeBlock.load(params.node.block).api_key_block if params.node.block else None)
+    if block:
+        try:
+            key = Secret.load(block).get()
+        except ValueError as exc:
+            raise ValueError(f"the server's API key: cannot load the Prefect Secret block {block!r}: {exc}") from exc
+        log.info("server API key: from the Prefect Secret block %r", block)
+        return key
+    if opts.api_key_file:
+        path = Path(opts.api_key_file).expanduser()
+        try:
+            key = path.read_text().strip()
+        except OSError as exc:
+            raise ValueError(f"the server's API key: cannot read --api-key-file {path}: {exc}") from exc
+        if not key:
+            raise ValueError(f"the server's API key: --api-key-file {path} is empty")
+        if path.stat().st_mode & 0o077:
+            log.warning("server API key file %s can be read by other users (mode %o); chmod 600 it",
+                        path, path.stat().st_mode & 0o777)
+        log.info("server API key: from the file %s", path)
+        return key
+    if os.environ.get(API_KEY_ENV):
+        log.info("server API key: from the environment variable %s", API_KEY_ENV)
+    return os.environ.get(API_KEY_ENV) or None
+
+
 def server_config(params: ExtractParameters, model_path: str, dump_dir: Path | str,
                   layer_ids: tuple[int, ...]) -> ServerConfig:
     opts = params.server
+    if opts.allow_non_loopback and listen_hosts(opts.extra_args):
+        get_run_logger().warning("the server will listen beyond loopback (%s): --allow-non-loopback is set; anyone "
+                                 "who reaches the host can use it", ", ".join(listen_hosts(opts.extra_args)))
     return ServerConfig(model_path=Path(model_path), dump_dir=Path(dump_dir), rid_prefix=RID_PREFIX, port=opts.port,
                         aux_layer_ids=layer_ids, dtype=params.dtype, device=opts.device_or_default,
                         chunked_prefill_size=opts.chunked_prefill_size, disable_radix_cache=opts.disable_radix_cache,
                         skip_server_warmup=opts.skip_server_warmup,
-                        api_key=opts.api_key.get_secret_value() if opts.api_key else None,
-                        extra_args=tuple(opts.extra_args), engine=opts.engine)
+                        api_key=server_api_key(params), extra_args=tuple(opts.extra_args), engine=opts.engine,
+                        allow_non_loopback=opts.allow_non_loopback)
 
 
 def retrieval_settings(params: ExtractParameters, server: RunningServer, url: str, layer_ids: tuple[int, ...],
@@ -600,7 +668,7 @@ def run_node_extraction(params: ExtractParameters, model_path: str, out: Path, v
         except NodeCommandFailed as exc:
             raise NodeNotReady(f"{node.name} cannot run --engine {params.server.engine}: {exc.stderr.strip()}; "
                                f"the server would have been started with: "
-                               f"{redact_command(config.argv(settings.python, config.port), host.secret_flags)}"
+                               f"{shlex.join(config.argv(settings.python, config.port))}"
                                ) from exc
         log.info("node %s: python %s, torch %s, GPUs %s, code in %s", node.name, facts["python_version"],
                  facts.get("torch"), facts.get("cuda_devices"), node.code_dir)
@@ -660,11 +728,14 @@ def extract_on_node(params: ExtractParameters, node: SshNode, settings: Retrieva
     return tokens + retried, failures, time.monotonic() - started
 
 
-def record_run(vdir: Path, run_id: str, summary: dict, failures: list[SampleFailure]) -> Path:
+def record_run(vdir: Path, run_id: str, summary: dict, failures: list[SampleFailure], truncated: list[str]) -> Path:
+    """``runs/<run>.json``: the summary, the failed samples with their reasons, the source ids of the
+    samples cut to --max-length."""
     runs = vdir / "runs"
     runs.mkdir(exist_ok=True)
     path = runs / f"{run_id}.json"
-    path.write_text(json.dumps({"summary": summary, "failed": [f.__dict__ for f in failures]}, indent=2))
+    path.write_text(json.dumps({"summary": summary, "failed": [f.__dict__ for f in failures],
+                                "truncated": truncated}, indent=2))
     return path
 
 

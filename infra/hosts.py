@@ -14,7 +14,7 @@ import shlex
 import signal
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, Sequence
 
@@ -65,7 +65,7 @@ class Host(Protocol):
 class LocalProcess:
     popen: subprocess.Popen
     log_path: Path
-    command: str  # for messages; secrets already redacted
+    command: str  # for messages (never holds a secret: keys travel in the environment)
 
     def alive(self) -> bool:
         return self.popen.poll() is None
@@ -104,7 +104,6 @@ class LocalHost:
 
     name: str = "localhost"
     python: str = sys.executable
-    secret_flags: tuple[str, ...] = field(default=("--api-key",))
 
     def free_port(self) -> int:
         return free_port()
@@ -112,7 +111,7 @@ class LocalHost:
     def start(self, argv: Sequence[str], log_path: Path, port: int,
               env: dict[str, str] | None = None) -> LocalProcess:
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        command = redact_command(argv, self.secret_flags)
+        command = shlex.join(argv)
         if not port_free(port):
             raise HostError(f"{self.name}: port {port} on 127.0.0.1 is already in use; cannot start `{command}`")
         with open(log_path, "ab") as log:
@@ -127,24 +126,3 @@ class LocalHost:
     def url_for_port(self, port: int) -> str:
         return f"http://127.0.0.1:{port}"
 
-
-
-
-def redact_command(argv: Sequence[str], secret_flags: Sequence[str]) -> str:
-    """The command as a shell line, with the values of secret flags replaced."""
-    out, hide_next = [], False
-    for arg in argv:
-        if hide_next:
-            out.append("***")
-            hide_next = False
-            continue
-        flag, eq, _ = arg.partition("=")
-        if flag in secret_flags:
-            if eq:
-                out.append(f"{flag}=***")
-            else:
-                out.append(arg)
-                hide_next = True
-            continue
-        out.append(arg)
-    return shlex.join(out)

@@ -1,6 +1,9 @@
 """The transformers engine: an SGLang-compatible HTTP server that runs a Hugging Face model and writes dumps.
 
-    python -m infra.local_server --model-path DIR --port N --dump-dir DIR [options]
+    [EAGLE3_API_KEY=KEY] python -m infra.local_server --model-path DIR --port N --dump-dir DIR [options]
+
+With ``EAGLE3_API_KEY`` set, every route but ``/health*`` needs ``Authorization: Bearer KEY``
+(SGLang's ``--api-key``, taken from the environment so that ``ps`` does not show it).
 
 It behaves like an SGLang server with the dump patch in the ways that break naive
 "one request, one dump" assumptions, so the pipeline can be tested on a laptop:
@@ -53,6 +56,7 @@ import torch
 from patches.batch_slicing import slice_extend_batch
 from patches.capture import PieceRows, capture_pieces
 from patches.dumps import DumpSettings, DumpWriter, default_aux_layer_ids, prompt_hash
+from patches.launch import API_KEY_ENV
 
 log = logging.getLogger("infra.local_server")
 
@@ -90,7 +94,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="decoding requests join prefill steps as one-row extends")
     p.add_argument("--disable-radix-cache", action="store_true")
     p.add_argument("--skip-server-warmup", action="store_true")
-    p.add_argument("--api-key", default=None)
     p.add_argument("--max-running-requests", type=int, default=32)
     p.add_argument("--context-length", type=int, default=None, help="default: the model's max_position_embeddings")
     p.add_argument("--shutdown-grace-s", type=float, default=30.0,
@@ -107,6 +110,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="the careless hook: a piece for every forward of every request, decode steps included")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
+    # The key comes in the environment: on the command line every user of the host would see it (ps).
+    args.api_key = os.environ.get(API_KEY_ENV) or None
     if args.chunked_prefill_size == 0 or args.chunked_prefill_size < -1:
         p.error(f"--chunked-prefill-size must be -1 (off) or positive, not {args.chunked_prefill_size}")
     if args.max_running_requests < 1:

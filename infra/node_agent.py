@@ -7,15 +7,17 @@ it passes is ever read by a shell here.
     check --engine E --device D      Python, torch, the SGLang release (the launcher's check), the GPU
     free-port                        a free loopback port
     model-facts --model-path P       layer count, hidden size, identity hash of a model folder
-    start --server-dir D --port N --lease-timeout-s T -- ARGV...
+    start --server-dir D --port N --lease-timeout-s T -- ARGV...   (stdin: {"env": {NAME: VALUE}})
                                      start ARGV detached (its own session and process group) under a
-                                     supervisor that stops it when the lease file goes stale
+                                     supervisor that stops it when the lease file goes stale; the
+                                     environment additions (the API key) come on stdin, never in argv
     status --server-dir D            alive or not, exit code, the log's tail
     stop --server-dir D --grace-s G  SIGTERM the group, SIGKILL after G seconds (idempotent)
 
 A server folder holds ``server.log``, ``pid`` (the supervisor's pid = the process group id),
 ``lease`` (its mtime, on the node's clock, is the last renewal: the flow touches it), ``lease_timeout_s``, ``port``,
-``argv.json`` and, once the server has exited, ``exit``. Several servers (of one run or of
+``argv.json``, until the supervisor has read it ``env.json`` (mode 0600: it may hold the API
+key) and, once the server has exited, ``exit``. Several servers (of one run or of
 several runs) live side by side under one ``servers/`` folder: nothing here assumes one.
 
 Standard library only (``check`` imports torch, and reads the SGLang version without
@@ -160,8 +162,20 @@ def sweep_leftovers(servers_root: Path, keep: Path) -> tuple[list[str], list[dic
     return stopped, running
 
 
-def start(server_dir: Path, port: int, lease_timeout: float, argv: list[str]) -> dict:
-    """Start ``argv`` under a supervisor; idempotent for a server folder whose server runs already."""
+ENV_NAME = "env.json"
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` readable by its owner only, from the first byte on."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
+def start(server_dir: Path, port: int, lease_timeout: float, argv: list[str], env: dict[str, str]) -> dict:
+    """Start ``argv`` (with ``env`` added to its environment) under a supervisor; idempotent for a
+    server folder whose server runs already."""
     if not argv:
         raise AgentError("no server command after --")
     server_dir.mkdir(parents=True, exist_ok=True)
@@ -180,6 +194,7 @@ def start(server_dir: Path, port: int, lease_timeout: float, argv: list[str]) ->
     for name in ("exit", "pid"):
         (server_dir / name).unlink(missing_ok=True)
     (server_dir / "argv.json").write_text(json.dumps(argv))
+    write_private(server_dir / ENV_NAME, json.dumps(env))
     (server_dir / "port").write_text(str(port))
     (server_dir / "lease_timeout_s").write_text(str(lease_timeout))
     (server_dir / "lease").touch()
@@ -200,9 +215,12 @@ def supervise(server_dir: Path) -> int:
     with it, writing the server's exit code to ``exit``.
     """
     argv = json.loads((server_dir / "argv.json").read_text())
+    env = json.loads((server_dir / ENV_NAME).read_text())
+    (server_dir / ENV_NAME).unlink()  # read once: no key stays on the node's disk
     timeout = lease_timeout_s(server_dir)
     signal.signal(signal.SIGTERM, lambda *_: None)  # the server got it too; wait for it below
-    server = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=sys.stdout, stderr=sys.stderr)
+    server = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=sys.stdout, stderr=sys.stderr,
+                              env={**os.environ, **env})
     (server_dir / "server_pid").write_text(str(server.pid))
     reason = None
     while server.poll() is None:
@@ -323,7 +341,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif a.verb == "model-facts":
             out = model_facts(a.model_path)
         elif a.verb == "start":
-            out = start(a.server_dir, a.port, a.lease_timeout_s, server_argv)
+            out = start(a.server_dir, a.port, a.lease_timeout_s, server_argv,
+                        json.loads(sys.stdin.read() or "{}").get("env", {}))
         elif a.verb == "status":
             out = status(a.server_dir)
         else:

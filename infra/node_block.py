@@ -1,7 +1,8 @@
 """The SSH node settings as a Prefect Block: saved once (key encrypted), chosen by name.
 
     from infra.node_block import SshNodeBlock
-    SshNodeBlock(node="ssh://me@gpu-node:22", ssh_key=open(KEY).read(), known_hosts="~/.ssh/known_hosts").save("gpu-node")
+    SshNodeBlock(node="ssh://me@gpu-node:22", ssh_key=open(KEY).read(), known_hosts="~/.ssh/known_hosts",
+                 api_key_block="gpu-node-key").save("gpu-node")   # optional: a Secret block's name
     python -m flows.extract --node-block gpu-node ...
 
 or create it from the UI's Blocks page once registered (``prefect block register -m infra.node_block``).
@@ -30,6 +31,9 @@ class SshNodeBlock(Block):
     python: str = Field("python3", title="Python on the node")
     workdir: str = Field("eagle3-extract", title="Work folder on the node", description="Relative: under home.")
     dump_dir: str | None = Field(None, title="Dump folder on the node", description="Empty: <workdir>/dumps.")
+    api_key_block: str | None = Field(None, title="API key: Prefect Secret block",
+                                      description="Name of the Secret block holding the key its servers require "
+                                                  "(the flow's --api-key-block overrides it).")
 
     def settings(self) -> SshSettings:
         user, host, port = parse_node_url(self.node)

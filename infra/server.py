@@ -10,19 +10,21 @@ crash/cancellation hooks alike.
 
 from __future__ import annotations
 
+import ipaddress
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Callable, Literal, Sequence
 
 import requests
 
 from infra.hosts import Host, LocalHost, ServerProcess, free_port
+from patches.launch import API_KEY_ENV, KEY_FLAGS, flag_values
 
-__all__ = ["ServerConfig", "RunningServer", "ServerStartError", "ForeignServer", "ServerWatch", "start_server",
-           "wait_healthy", "free_port"]
+__all__ = ["ServerConfig", "RunningServer", "ServerStartError", "ForeignServer", "NonLoopbackRefused", "ServerWatch",
+           "start_server", "wait_healthy", "free_port", "listen_hosts", "check_server_args"]
 Engine = Literal["transformers", "sglang"]
 
 
@@ -32,6 +34,40 @@ class ServerStartError(RuntimeError):
 
 class ForeignServer(ServerStartError):
     """Something else answers where the server was started: another server on the port."""
+
+
+class NonLoopbackRefused(ValueError):
+    """The server's flags would make it listen beyond loopback, and that was not explicitly allowed."""
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name other than localhost may resolve to anything
+
+
+def listen_hosts(extra_args: Sequence[str]) -> list[str]:
+    """The addresses beyond loopback that ``extra_args`` make a server (either engine) listen on;
+    ``--config FILE`` (SGLang) counts as one, since the file may set ``host``."""
+    hosts = [h for h in flag_values(extra_args, "--host") if not _is_loopback(h)]
+    return hosts + [f"whatever --config {c} sets" for c in flag_values(extra_args, "--config")]
+
+
+def check_server_args(extra_args: Sequence[str], allow_non_loopback: bool) -> None:
+    """Refuse the API key on the command line, and listening beyond loopback unless allowed."""
+    for flag in KEY_FLAGS:
+        if flag_values(extra_args, flag):
+            raise ValueError(f"{flag} among the server's flags: a key on a command line is visible to every user "
+                             f"of the host (ps); give it as a Prefect Secret block (--api-key-block), a file "
+                             f"(--api-key-file) or the {API_KEY_ENV} environment variable")
+    hosts = listen_hosts(extra_args)
+    if hosts and not allow_non_loopback:
+        raise NonLoopbackRefused(f"the server's flags {' '.join(extra_args)!r} make it listen beyond loopback "
+                                 f"({', '.join(hosts)}): anyone who reaches the host could use the model and fill "
+                                 f"the dump folder; pass --allow-non-loopback to mean it")
 
 
 def reported_instance(server_info: dict) -> str | None:
@@ -58,14 +94,21 @@ class ServerConfig:
     disable_radix_cache: bool = False
     skip_server_warmup: bool = False
     dump_max_bytes: int | None = None
+    #: reaches the server in its environment (``API_KEY_ENV``), never on its command line
     api_key: str | None = field(default=None, repr=False)
     extra_args: tuple[str, ...] = ()
     engine: Engine = "transformers"
+    #: let ``extra_args`` make the server listen beyond loopback (``--host 0.0.0.0``)
+    allow_non_loopback: bool = False
     #: this launch's nonce: the server writes it into every dump piece and reports it in /server_info
     instance: str = field(default_factory=lambda: uuid.uuid4().hex)
 
+    def __post_init__(self) -> None:
+        check_server_args(self.extra_args, self.allow_non_loopback)
+
     def argv(self, python: str, port: int) -> list[str]:
-        """The command that starts this server with ``python`` on ``port`` (loopback only)."""
+        """The command that starts this server with ``python`` on ``port`` (loopback, unless
+        ``extra_args`` say otherwise and that is allowed). No secret is ever in it."""
         dump = ["--dump-dir", str(self.dump_dir), "--dump-rid-prefix", self.rid_prefix, "--dump-instance", self.instance]
         if self.aux_layer_ids is not None:
             dump += ["--dump-aux-layers", *map(str, self.aux_layer_ids)]
@@ -79,12 +122,14 @@ class ServerConfig:
             server.append("--disable-radix-cache")
         if self.skip_server_warmup:
             server.append("--skip-server-warmup")
-        if self.api_key:
-            server += ["--api-key", self.api_key]
         server += list(self.extra_args)
         if self.engine == "sglang":
             return [python, "-m", "patches.launch", *dump, "--", *server]
         return [python, "-m", "infra.local_server", *dump, *server]
+
+    def env(self) -> dict[str, str]:
+        """The server's environment additions: the API key, which ``ps`` does not show."""
+        return {API_KEY_ENV: self.api_key} if self.api_key else {}
 
 
 @dataclass
@@ -108,7 +153,7 @@ def start_server(config: ServerConfig, log_path: Path, host: Host | None = None,
     """Start the server on ``host`` (default: this machine) and return once ``/health`` answers 200."""
     host = host or LocalHost()
     port = config.port or host.free_port()
-    process = host.start(config.argv(host.python, port), log_path, port)
+    process = host.start(config.argv(host.python, port), log_path, port, env=config.env())
     server = RunningServer(host, config, process, host.url_for_port(port), port, log_path)
     try:
         wait_healthy(server, ready_timeout_s)

@@ -34,7 +34,7 @@ from urllib.parse import urlsplit
 
 import paramiko
 
-from infra.hosts import HostError, redact_command
+from infra.hosts import HostError
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +42,6 @@ REPO = Path(__file__).resolve().parent.parent
 #: the packages whose code runs on the node (the server, the hook, the agent, the extraction core)
 NODE_PACKAGES = ("patches", "infra", "tasks")
 _NO_CLIENT_REKEY = 1 << 62
-#: flags whose values never appear in a message or log line
-SECRET_FLAGS = ("--api-key",)
 
 
 class _QuietRefusedChannels(logging.Filter):
@@ -279,31 +277,32 @@ class SshNode:
 
     # -- commands
 
-    def command_line(self, argv: Sequence[str], cwd: str | None = None, redact: bool = False) -> str:
-        """The shell line that runs ``argv`` (in ``cwd``); ``redact``: secret flag values hidden, for messages."""
-        line = redact_command([str(a) for a in argv], SECRET_FLAGS) if redact else shlex.join([str(a) for a in argv])
+    def command_line(self, argv: Sequence[str], cwd: str | None = None) -> str:
+        """The shell line that runs ``argv`` (in ``cwd``). It never holds a secret (the node's shell and
+        ``ps`` show it): secrets go on stdin (the server's API key: :meth:`SshHost.start`)."""
+        line = shlex.join([str(a) for a in argv])
         return f"cd {shlex.quote(cwd)} && exec {line}" if cwd else line
 
     def run(self, argv: Sequence[str], stdin: bytes = b"", cwd: str | None = None, check: bool = True,
             retry: bool = True, timeout_s: float | None = None) -> CommandResult:
         """Run ``argv`` on the node; re-run it after a dropped connection when ``retry``
         (only for commands that are safe to run twice)."""
-        line, shown = self.command_line(argv, cwd), self.command_line(argv, cwd, redact=True)
+        line = self.command_line(argv, cwd)
         deadline = None  # from the first loss: a command may run for hours before one
         delay = 0.5
         while True:
             try:
-                result = self._exec(line, stdin, timeout_s, shown)
+                result = self._exec(line, stdin, timeout_s)
                 break
             except SshConnectionLost as exc:
                 deadline = deadline or time.monotonic() + self.settings.reconnect_for_s
                 if not retry or time.monotonic() > deadline:
                     raise
-                log.warning("%s: %s; running `%s` again", self.name, exc, shown[:200])
+                log.warning("%s: %s; running `%s` again", self.name, exc, line[:200])
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0)
         if check and result.code != 0:
-            raise NodeCommandFailed(self.name, shown, result.code, result.stderr)
+            raise NodeCommandFailed(self.name, line, result.code, result.stderr)
         return result
 
     def open_session(self) -> paramiko.Channel:
@@ -318,12 +317,12 @@ class SshNode:
             self._drop()
             raise SshConnectionLost(f"{self.name}: cannot open a channel: {type(exc).__name__}: {exc}") from exc
 
-    def _exec(self, line: str, stdin: bytes, timeout_s: float | None, shown: str) -> CommandResult:
-        """Run one shell line; ``shown`` is how messages name it (secrets hidden)."""
+    def _exec(self, line: str, stdin: bytes, timeout_s: float | None) -> CommandResult:
+        """Run one shell line."""
         with self.sessions:
-            return self._exec_in_session(line, stdin, timeout_s, shown)
+            return self._exec_in_session(line, stdin, timeout_s)
 
-    def _exec_in_session(self, line: str, stdin: bytes, timeout_s: float | None, shown: str) -> CommandResult:
+    def _exec_in_session(self, line: str, stdin: bytes, timeout_s: float | None) -> CommandResult:
         chan = self.open_session()
         err: list[bytes] = []
         try:
@@ -339,13 +338,13 @@ class SshNode:
             code = chan.recv_exit_status()
         except (paramiko.SSHException, EOFError, OSError) as exc:
             self._drop()
-            raise SshConnectionLost(f"{self.name}: connection lost during `{shown[:200]}`: "
+            raise SshConnectionLost(f"{self.name}: connection lost during `{line[:200]}`: "
                                     f"{type(exc).__name__}: {exc}") from exc
         finally:
             chan.close()
         if code == -1 or not chan.exit_status_ready():
             self._drop()
-            raise SshConnectionLost(f"{self.name}: connection lost during `{shown[:200]}` (no exit status)")
+            raise SshConnectionLost(f"{self.name}: connection lost during `{line[:200]}` (no exit status)")
         return CommandResult(code, out, b"".join(err).decode("utf-8", "replace"))
 
     def _drop(self) -> None:
@@ -402,7 +401,7 @@ class SshNode:
             steps = [["mkdir", "-p", tmp], ["tar", "-xzf", "-", "-C", tmp], ["touch", f"{tmp}/.complete"],
                      ["mv", "-T", tmp, target]]
             line = " && ".join(shlex.join(s) for s in steps)
-            result = self._exec(line, buf.getvalue(), 120, line)
+            result = self._exec(line, buf.getvalue(), 120)
             if result.code != 0 and self.run(["test", "-f", f"{target}/.complete"], check=False).code != 0:
                 raise NodeCommandFailed(self.name, line, result.code, result.stderr)
             self.run(["rm", "-rf", tmp], check=False)
@@ -417,11 +416,11 @@ class SshNode:
         try:
             return json.loads(result.stdout.decode().strip().splitlines()[-1])
         except (ValueError, IndexError) as exc:
-            raise NodeCommandFailed(self.name, f"python -m {module} {redact_command(args, SECRET_FLAGS)}", result.code,
+            raise NodeCommandFailed(self.name, f"python -m {module} {shlex.join(args)}", result.code,
                                     f"no JSON answer ({exc}): {result.stdout[-500:]!r} {result.stderr}") from exc
 
-    def agent(self, args: Sequence[str]) -> dict:
-        return self.python_module("infra.node_agent", args)
+    def agent(self, args: Sequence[str], stdin: bytes = b"") -> dict:
+        return self.python_module("infra.node_agent", args, stdin=stdin)
 
     # -- leases
 
@@ -595,7 +594,7 @@ class NodeServerProcess:
     node: SshNode
     server_dir: str
     log_path: Path
-    command: str  # for messages; secrets already redacted
+    command: str  # for messages (never holds a secret)
 
     def alive(self) -> bool:
         return bool(self.node.agent(["status", "--server-dir", self.server_dir])["alive"])
@@ -618,7 +617,6 @@ class SshHost:
 
     node: SshNode
     lease_timeout_s: float = 60.0
-    secret_flags: tuple[str, ...] = SECRET_FLAGS
     tunnels: list[Tunnel] = field(default_factory=list)
 
     @property
@@ -634,17 +632,19 @@ class SshHost:
 
     def start(self, argv: Sequence[str], log_path: Path, port: int,
               env: dict[str, str] | None = None) -> NodeServerProcess:
-        """Start ``argv`` on the node; its folder is ``servers/<log file stem>`` (unique per server)."""
-        argv = (["env", *(f"{k}={v}" for k, v in env.items())] if env else []) + [str(a) for a in argv]
+        """Start ``argv`` on the node; its folder is ``servers/<log file stem>`` (unique per server).
+        ``env`` (the API key) goes to the agent on stdin, never on the remote command line."""
+        argv = [str(a) for a in argv]
         server_dir = self.node.resolve(f"{self.node.settings.workdir}/servers/{log_path.stem}")
         answer = self.node.agent(["start", "--server-dir", server_dir, "--port", str(port),
-                                  "--lease-timeout-s", str(self.lease_timeout_s), "--", *argv])
+                                  "--lease-timeout-s", str(self.lease_timeout_s), "--", *argv],
+                                 stdin=json.dumps({"env": env or {}}).encode())
         for line in answer["stopped_leftovers"]:
             log.warning("%s: stopped a server left by an earlier run whose lease ran out: %s", self.name, line)
         for other in answer["other_servers"]:
             log.info("%s: another run's server is running there: %s", self.name, other)
         self.node.keep_lease(server_dir, self.lease_timeout_s)
-        return NodeServerProcess(self.node, server_dir, log_path, redact_command(argv, self.secret_flags))
+        return NodeServerProcess(self.node, server_dir, log_path, shlex.join(argv))
 
     def url_for_port(self, port: int) -> str:
         tunnel = self.node.forward(port)

@@ -9,6 +9,12 @@ ones the hook needs, prints what it decided, then execs ``python -m
 sglang.launch_server``. The dump settings reach every scheduler subprocess inside the
 ``--forward-hooks`` JSON (see patches/sglang_hook.py); the only environment change is
 PYTHONPATH, so that those processes can import ``patches``.
+
+The server's API key is never a flag (``ps`` shows every user the command lines): it comes in
+the environment variable ``EAGLE3_API_KEY``. SGLang then runs as a child
+(``patches.sglang_serve``, which sets the key on its ServerArgs in-process) whose output
+passes through this process with the key replaced by ``***``: SGLang logs its ServerArgs,
+key included, at start-up.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ import importlib.metadata
 import json
 import os
 import shlex
+import signal
+import subprocess
 import sys
 import uuid
 from dataclasses import dataclass
@@ -29,6 +37,21 @@ from patches.sglang_hook import HookConfig, forward_hook_specs
 from patches.sglang_releases import Release, release
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
+#: the server's API key reaches the server (the launcher or the transformers engine) in this variable
+API_KEY_ENV = "EAGLE3_API_KEY"
+#: flags that carry a key: on a command line it is visible to every user of the host (``ps``)
+KEY_FLAGS = ("--api-key", "--admin-api-key")
+
+
+def flag_values(args: Sequence[str], flag: str) -> list[str]:
+    """Every value ``args`` give ``flag`` (``flag VALUE`` or ``flag=VALUE``), abbreviations included:
+    argparse, which parses both engines' flags, takes any unambiguous prefix (``--ho`` for ``--host``)."""
+    values = []
+    for i, arg in enumerate(args):
+        name, eq, value = arg.partition("=")
+        if len(name) > 2 and name.startswith("--") and flag.startswith(name):
+            values.append(value if eq else (args[i + 1] if i + 1 < len(args) else ""))
+    return values
 
 
 class LaunchRefused(ValueError):
@@ -128,6 +151,10 @@ def plan_launch(rel: Release, dump_args: argparse.Namespace, server_argv: Sequen
         raise LaunchRefused(f"--dump-aux-layers {list(layer_ids)}: SGLang captures the input of a decoder layer, "
                             f"so ids must be distinct HF hidden_states indices in [1, {num_layers})")
 
+    for flag in KEY_FLAGS:
+        if flag_values(server_argv, flag):
+            raise LaunchRefused(f"{flag} on the command line is visible to every user of the node (ps); "
+                                f"put the key in the environment variable {API_KEY_ENV} instead")
     for name, value in (("--pp-size", flags.pp_size), ("--attn-cp-size", flags.attn_cp_size),
                         ("--dcp-size", flags.dcp_size)):
         if value != 1:
@@ -229,9 +256,33 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(f"patches.launch: {exc}")
     for note in plan.notes:
         print(f"patches.launch: {note}", file=sys.stderr)
-    cmd = [sys.executable, "-m", "sglang.launch_server", *plan.argv]
-    print(f"patches.launch: SGLang {rel.version}: {shlex.join(cmd)}", file=sys.stderr, flush=True)
-    os.execve(sys.executable, cmd, child_env(dict(os.environ)))
+    key = os.environ.get(API_KEY_ENV)
+    if not key:
+        cmd = [sys.executable, "-m", "sglang.launch_server", *plan.argv]
+        print(f"patches.launch: SGLang {rel.version}: {shlex.join(cmd)}", file=sys.stderr, flush=True)
+        os.execve(sys.executable, cmd, child_env(dict(os.environ)))
+    cmd = [sys.executable, "-m", "patches.sglang_serve", *plan.argv]
+    print(f"patches.launch: SGLang {rel.version}: {shlex.join(cmd)} (API key from {API_KEY_ENV}; its output "
+          f"shows it as ***)", file=sys.stderr, flush=True)
+    code = run_redacting(cmd, child_env(dict(os.environ)), key)
+    if code < 0:  # end as SGLang ended, so that a supervisor records the same exit
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    sys.exit(code)
+
+
+def run_redacting(cmd: list[str], env: dict[str, str], secret: str) -> int:
+    """Run ``cmd`` (same process group) with its output copied to ours, ``secret`` replaced by ``***``;
+    its exit code. SIGTERM/SIGINT sent to this process alone (a supervisor's terminate) are passed on."""
+    child = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _: child.poll() is None and child.send_signal(signum))
+    secret_bytes, out = secret.encode(), sys.stdout.buffer
+    for line in child.stdout:  # until every process holding the pipe (SGLang's subprocesses too) is gone
+        out.write(line.replace(secret_bytes, b"***"))
+        out.flush()
+    return child.wait()
 
 
 if __name__ == "__main__":

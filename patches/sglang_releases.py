@@ -200,6 +200,16 @@ SYMBOLS: tuple[Symbol, ...] = (
     Symbol("flag", SERVER_ARGS, "enable_mixed_chunk", "allowed: decode rows are recognised and skipped"),
     Symbol("flag", SERVER_ARGS, "skip_server_warmup", "not needed: the warmup's rid has no dump prefix"),
     Symbol("flag", SERVER_ARGS, "disable_radix_cache", "a prefix-cache hit leaves the prompt's head undumped"),
+    # -- the API key, set in-process by patches.sglang_serve (never on a command line)
+    Symbol("flag", SERVER_ARGS, "api_key", "added to the parsed arguments in-process, from the environment"),
+    Symbol("flag", SERVER_ARGS, "admin_api_key", "refused on the command line like --api-key"),
+    Symbol("function", SERVER_ARGS, "prepare_server_args", "parses the arguments, the key among them",
+           params=("argv",)),
+    Symbol("function", "sglang.launch_server", "run_server", "launch_server's own start, given the ServerArgs",
+           params=("server_args",)),
+    Symbol("function", "sglang.srt.plugins", "load_plugins", "launch_server's main loads plugins first"),
+    Symbol("function", "sglang.srt.utils.common", "kill_process_tree", "launch_server's main ends with it",
+           params=("parent_pid", "include_parent")),
 )
 
 

@@ -5,14 +5,25 @@ dtype, chat template, template variable (the date a template writes, enable_thin
 chat_template_kwargs) or length rule is another folder, never mixed into this one.
 Within a version a sample is identified by its content key, so a re-run extracts only
 the keys that no finished shard holds yet.
+
+One run writes a version folder at a time: :func:`version_lock` holds an OS lock
+(``flock``) on ``run.lock`` in it for the whole run. The kernel drops the lock with the
+process, so a killed run never leaves a stale one.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
+import os
+import socket
+import time
 from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
 from pathlib import Path
+from typing import Callable, Iterator
 
 from patches.dumps import FINAL_STATES, LAYER_CONVENTION, default_aux_layer_ids
 
@@ -93,3 +104,48 @@ def extraction_config(model: ModelFacts, layer_ids: list[int] | None, dtype: str
 
 def version_dir(out: Path, config: ExtractionConfig) -> Path:
     return out / "versions" / config.fingerprint()
+
+
+# --------------------------------------------------------------------------- one run per version folder
+
+LOCK_NAME = "run.lock"
+
+
+def lock_holder(**what: str) -> dict:
+    """Who holds a version lock, as written into the lock file: ``what`` (the run) and this process."""
+    return {**what, "pid": os.getpid(), "host": socket.gethostname(),
+            "since": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+
+
+class VersionBusy(RuntimeError):
+    """Another run writes the dataset version folder; the message names the folder and that run."""
+
+
+@contextlib.contextmanager
+def version_lock(vdir: Path, holder: dict, wait_s: float = 0.0,
+                 on_wait: Callable[[str], None] | None = None) -> Iterator[None]:
+    """Hold ``vdir``'s lock while the block runs; ``holder`` (:func:`lock_holder`) is written into the
+    lock file so that a run refused meanwhile can name it. Another run holding it: wait up to
+    ``wait_s`` (``on_wait(holder of the other run)`` once), then raise :class:`VersionBusy`."""
+    path = vdir / LOCK_NAME
+    with open(path, "a+") as f:
+        deadline, waiting = time.monotonic() + wait_s, False
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                other = path.read_text().strip() or "a run that has not written its name yet"
+                if time.monotonic() >= deadline:
+                    raise VersionBusy(f"dataset version folder {vdir} is being written by another run: {other}; "
+                                      f"{'waited ' + format(wait_s, '.0f') + ' s; ' if wait_s else ''}"
+                                      f"try again when it has finished (or give --version-wait-s)") from None
+                if not waiting and on_wait is not None:
+                    on_wait(other)
+                waiting = True
+                time.sleep(0.2)
+        f.seek(0)
+        f.truncate()
+        f.write(json.dumps(holder) + "\n")
+        f.flush()
+        yield

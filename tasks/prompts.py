@@ -369,6 +369,8 @@ def prepare_prompts(path: Path | str, tokenizer, max_length: int = 2048, on_over
         samples.append(sample)
         tool_calls += sum(len(m.get("tool_calls", ())) for m in conversation.messages)
         tool_results += sum(m["role"] == "tool" for m in conversation.messages)
+    if rows_in == 0:
+        raise PromptFileError(path, "no rows: nothing to extract (an empty input is an error, not a success)")
     return PreparedPrompts(samples, rejected, duplicates, rows_in, tool_calls, tool_results)
 
 

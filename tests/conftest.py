@@ -15,6 +15,7 @@ import requests
 
 from infra.hosts import free_port
 from infra.tiny_model import build_tiny_model
+from patches.launch import API_KEY_ENV
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -95,11 +96,10 @@ def start_local_server(tmp_path_factory):
         port = free_port()
         argv = [sys.executable, "-m", "infra.local_server", "--model-path", str(model_dir),
                 "--port", str(port), "--dump-dir", str(work / "dumps"), *flags]
-        if api_key:
-            argv += ["--api-key", api_key]
+        env = {**os.environ, API_KEY_ENV: api_key} if api_key else None  # never on the command line
         log_path = work / "server.log"
         with open(log_path, "wb") as log:
-            process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
+            process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env)
         server = LocalServerProcess(f"http://127.0.0.1:{port}", work / "dumps", log_path, process, api_key)
         started.append(server)
         deadline = time.monotonic() + ready_timeout

@@ -4,7 +4,6 @@ and flags parse back to exactly the parameters they were written from."""
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from pydantic import BaseModel
@@ -58,7 +57,7 @@ def test_the_flags_of_earlier_releases_still_parse():
     assert parse_args([]) == ExtractParameters()
 
 
-def as_flags(params: ExtractParameters, secret_file: Path) -> list[str]:
+def as_flags(params: ExtractParameters) -> list[str]:
     """The command line that asks for ``params``: every field, written out."""
     argv, rest = [], []
     data = params.model_dump()
@@ -68,10 +67,7 @@ def as_flags(params: ExtractParameters, secret_file: Path) -> list[str]:
             value = value[part]
         if value is None:
             continue
-        if option.flag.endswith("-file"):
-            secret_file.write_text(value.get_secret_value() + "\n")
-            argv += [option.flag, str(secret_file)]
-        elif isinstance(value, bool):
+        if isinstance(value, bool):
             argv.append(option.flag if value else "--no-" + option.flag[2:])
         elif isinstance(value, list):
             argv += [option.flag, *map(str, value)]
@@ -88,20 +84,42 @@ def as_flags(params: ExtractParameters, secret_file: Path) -> list[str]:
     ExtractParameters(
         prompts="/data/prompts/*.jsonl", model_path="/models/x", out="/tmp/o", batch_size=7, max_in_flight=3,
         max_dump_bytes_in_flight=1 << 24, concurrent_batches=5, attempts=4, sample_retries=0, backoff_s=0.25,
-        server_restarts=1, max_failed_fraction=0.5, max_length=99, on_overlong="skip", aux_layers=[0, 5, 9],
+        server_restarts=1, max_failed_fraction=0.5, version_wait_s=7.5, max_length=99, on_overlong="skip", aux_layers=[0, 5, 9],
         dtype="bfloat16", exports=["speculators"], store_dtype="float8_e4m3fn", draft_vocab_size=64,
         template_date="2025-03-04", enable_thinking=False, chat_template_kwargs={"reasoning_effort": "high", "n": 2},
         server=ServerOptions(engine="sglang", chunked_prefill_size=-1, disable_radix_cache=True,
-                             skip_server_warmup=True, device="cuda", port=31000, api_key="s3cret",
-                             ready_timeout_s=12.5, extra_args=["--tp-size", "2", "--mem-fraction-static", "0.8"]),
+                             skip_server_warmup=True, device="cuda", port=31000,
+                             api_key_file="/run/secrets/k", ready_timeout_s=12.5, allow_non_loopback=True,
+                             extra_args=["--tp-size", "2", "--mem-fraction-static", "0.8", "--host", "0.0.0.0"]),
         node=NodeOptions(node="ssh://me@gpu:22", block="gpu-a", ssh_key="~/.ssh/k", known_hosts="/kh",
                          python="/opt/py", workdir="/scratch/w", dump_dir="/dev/shm/d", shards_on="node", fetch=True,
                          lease_timeout_s=30)),
 ], ids=["defaults", "every-field-changed"])
-def test_flags_round_trip_to_the_same_parameters(params, tmp_path):
-    argv = as_flags(params, tmp_path / "key")
-    assert parse_args(argv) == params
-    assert "s3cret" not in argv  # the key travels in a file, not in the process list
+def test_flags_round_trip_to_the_same_parameters(params):
+    assert parse_args(as_flags(params)) == params
+
+
+@pytest.mark.parametrize("engine", ["transformers", "sglang"])
+def test_server_flags_cannot_open_the_server_beyond_loopback_or_carry_the_key(engine, capsys):
+    """Both engines: --host beyond loopback is refused without --allow-non-loopback; a key among the
+    server's flags is refused always (every user of the host would see it in ps)."""
+    for extra, why in ((["--host", "0.0.0.0"], "listen beyond loopback (0.0.0.0)"),
+                       (["--host=10.1.2.3"], "listen beyond loopback (10.1.2.3)"),
+                       (["--config", "c.yaml"], "whatever --config c.yaml sets"),
+                       (["--ho", "0.0.0.0"], "listen beyond loopback (0.0.0.0)"),  # argparse takes prefixes
+                       (["--api-key", "s3cret"], "--api-key among the server's flags"),
+                       (["--api-k=s3cret"], "--api-key among the server's flags")):
+        with pytest.raises(SystemExit):
+            parse_args(["--engine", engine, "--", *extra])
+        err = capsys.readouterr().err
+        assert why in err and "s3cret" not in err, err
+    for host in ("127.0.0.1", "localhost", "::1"):
+        assert parse_args(["--engine", engine, "--", "--host", host]).server.extra_args == ["--host", host]
+    opened = parse_args(["--engine", engine, "--allow-non-loopback", "--", "--host", "0.0.0.0"])
+    assert opened.server.allow_non_loopback and opened.server.extra_args == ["--host", "0.0.0.0"]
+    with pytest.raises(SystemExit):
+        parse_args(["--allow-non-loopback", "--", "--api-key=s3cret"])
+    assert "s3cret" not in capsys.readouterr().err
 
 
 def test_a_bad_value_is_a_usage_error_naming_the_flag():

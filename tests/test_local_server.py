@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import subprocess
 import threading
 import time
 import uuid
@@ -240,6 +241,9 @@ def test_api_key_guards_everything_but_health(careful):
     assert info["is_generation"] and info["num_hidden_layers"] == 8
     server_info = requests.get(careful.url + "/server_info", headers=careful.headers(), timeout=10).json()
     assert server_info["api_key"] == "***" and server_info["dump_aux_layer_ids"] == default_aux_layer_ids(8)
+    # the key came in the environment: no command line on this machine holds it, nor the server's log
+    assert "sesame" not in subprocess.run(["ps", "-eww", "-o", "args"], capture_output=True, text=True).stdout
+    assert "sesame" not in careful.log_path.read_text()
 
 
 # --------------------------------------------------------------------------- failures and shutdown

@@ -53,6 +53,8 @@ class ReleaseSource:
     def tree(self, module: str) -> ast.Module:
         if module not in self._trees:
             path = self.root / (module.replace(".", "/") + ".py")
+            if not path.is_file():  # a package: its __init__
+                path = self.root / module.replace(".", "/") / "__init__.py"
             if not path.is_file():
                 raise LookupError(f"SGLang {self.version}: no module {module} ({path})")
             self._trees[module] = ast.parse(path.read_text(), str(path))

@@ -22,8 +22,9 @@ from transformers import AutoTokenizer
 
 from flows.extract import REPO, ExtractParameters, NodeNotReady, NodeOptions, ServerOptions, extract
 from infra.server import ServerConfig, ServerStartError
-from infra.ssh import HostKeyChanged, HostKeyUnknown, NodeCommandFailed, SshAuthFailed, SshNode, SshSettings
-from patches.launch import dump_arg_parser, plan_launch
+from infra.ssh import (HostKeyChanged, HostKeyUnknown, NodeCommandFailed, SshAuthFailed, SshHost, SshNode,
+                        SshSettings)
+from patches.launch import API_KEY_ENV, dump_arg_parser, plan_launch
 from patches.sglang_releases import SUPPORTED_RELEASES
 from tests.sshd import keygen
 from tasks.training_set import TrainingSetDataset
@@ -188,17 +189,18 @@ def test_a_server_that_fails_to_start_reports_its_log_tail(prefect_api, sshd, ti
 
 
 def test_sglang_engine_names_what_the_node_lacks_and_the_command_it_would_run(prefect_api, sshd, tiny_model_dir,
-                                                                                tmp_path):
+                                                                                tmp_path, monkeypatch):
+    monkeypatch.setenv(API_KEY_ENV, "s3cret")
     prompts = write_jsonl(tmp_path / "prompts.jsonl", conversations(2))
     params = ExtractParameters(prompts=str(prompts), model_path=str(tiny_model_dir), out=str(tmp_path / "out"),
-                               server=ServerOptions(engine="sglang", api_key="s3cret", extra_args=["--tp-size", "1"]),
+                               server=ServerOptions(engine="sglang", extra_args=["--tp-size", "1"]),
                                node=node_options(sshd, tmp_path / "node"))
     with pytest.raises(NodeNotReady) as refused:
         extract(params)
     message = str(refused.value)
     assert "SGLang is not installed" in message and "a CUDA GPU" in message
     assert f"{sys.executable} -m patches.launch --dump-dir {tmp_path}/node/dumps" in message
-    assert "--api-key '***'" in message and "s3cret" not in message
+    assert "--api-key" not in message and "s3cret" not in message  # the key goes in the environment
 
 
 def test_sglang_command_line_passes_the_launchers_checks(tmp_path):
@@ -379,10 +381,9 @@ def test_node_agent_refuses_a_busy_port_and_stops_a_server_an_earlier_run_left(s
         busy.listen()
         port = busy.getsockname()[1]
         web = [sys.executable, "-m", "http.server", "--bind", "127.0.0.1"]
-        with pytest.raises(NodeCommandFailed, match=f"port {port} on 127.0.0.1 is already in use") as refused:
+        with pytest.raises(NodeCommandFailed, match=f"port {port} on 127.0.0.1 is already in use"):
             node.agent(["start", "--server-dir", f"{servers}/a", "--port", str(port), "--lease-timeout-s", "60",
-                        "--", *web, str(port), "--api-key", "s3cret"])
-        assert "--api-key '***'" in str(refused.value) and "s3cret" not in str(refused.value)
+                        "--", *web, str(port)])
         busy.close()
 
         # An earlier run's server whose supervisor is gone too (a node reboot of the agent, an OOM kill):
@@ -410,7 +411,6 @@ def test_crash_and_cancellation_hooks_stop_the_servers_a_run_noted(prefect_api, 
 
     from flows.extract import record_node_server, stop_node_servers
     from infra.node_agent import group_alive
-    from infra.ssh import SshHost
 
     out = tmp_path / "out"
     options = node_options(sshd, tmp_path / "work")
@@ -450,3 +450,32 @@ def test_more_commands_at_once_than_sshd_sessions_wait_their_turn(sshd, tmp_path
         with ThreadPoolExecutor(16) as pool:
             answers = list(pool.map(lambda i: node.run(["sh", "-c", f"sleep 0.5; echo {i}"]).stdout, range(16)))
         assert answers == [f"{i}\n".encode() for i in range(16)] and node.reconnects == 0
+
+
+def test_a_node_server_gets_the_key_on_stdin_and_no_command_line_holds_it(sshd, tiny_model_dir, tmp_path):
+    """sshd runs on this machine, so ``ps`` here sees the node's command lines too (the agent's, the
+    supervisor's, the server's)."""
+    import requests
+
+    from infra.server import start_server
+    from tests.test_safety import KEY, ProcessWatch
+
+    (tmp_path / "dumps").mkdir()
+    config = ServerConfig(model_path=tiny_model_dir, dump_dir=tmp_path / "dumps", rid_prefix="eagle3-", api_key=KEY,
+                          skip_server_warmup=True)
+    log_path = tmp_path / "runs" / "keyed-server.log"
+    with SshNode(settings(sshd, tmp_path / "work")) as node, ProcessWatch(tmp_path) as watch:
+        node.prepare()
+        host = SshHost(node, lease_timeout_s=600)
+        server = start_server(config, log_path, host=host, ready_timeout_s=120)
+        try:
+            assert requests.get(f"{server.url}/model_info", timeout=10).status_code == 401
+            assert requests.get(f"{server.url}/model_info", headers=server.headers(), timeout=10).status_code == 200
+            assert not (Path(server.process.server_dir) / "env.json").exists()  # read once by the supervisor
+        finally:
+            server.stop()
+            host.close()
+    assert watch.unauthorized == {401}
+    assert any("infra.local_server" in line and str(tmp_path) in line for line in watch.lines)
+    assert not [line for line in watch.lines if KEY in line]
+    assert "node_agent: server exited with code 0" in log_path.read_text() and KEY not in log_path.read_text()

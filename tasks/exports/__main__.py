@@ -2,7 +2,8 @@
 
     python -m tasks.exports out/versions/<fingerprint> specforge [modelopt]
 
-Incremental: files already in line with the manifest are kept. Delete the export folder
+Incremental: files already in line with the manifest are kept. Refused while a run writes
+the version (its lock: tasks.dataset_version.version_lock). Delete the export folder
 when training is done; this command writes it again whenever it is needed.
 """
 
@@ -10,9 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from tasks.dataset_version import VersionBusy, lock_holder, version_lock
 from tasks.exports import EXPORTS, check_exports, run_export
 from tasks.training_set import read_dataset_info
 
@@ -24,8 +27,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("exports", nargs="+", choices=sorted(EXPORTS))
     a = p.parse_args(argv)
     check_exports(a.exports, read_dataset_info(a.version_dir))
-    return [asdict(run_export(name, a.version_dir)) for name in a.exports]
+    with version_lock(a.version_dir, lock_holder(command=f"python -m tasks.exports {' '.join(a.exports)}")):
+        return [asdict(run_export(name, a.version_dir)) for name in a.exports]
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(), indent=2))
+    try:
+        print(json.dumps(main(), indent=2))
+    except VersionBusy as exc:
+        sys.exit(f"python -m tasks.exports: {exc}")
