@@ -508,8 +508,8 @@ def batch_result(future, shard_path: Path) -> BatchResult:
     try:
         return future.result()
     except OSError as exc:
-        if exc.filename:
-            raise
+        if exc.filename or str(shard_path) in str(exc):
+            raise  # it names its path already
         raise ShardWriteFailed(exc.errno, f"cannot write shard {shard_path}: {exc.strerror or exc}") from exc
 
 
