@@ -58,7 +58,7 @@ from tasks.report import run_report
 from tasks.retrieval import ExpectedDump, InFlightLimit, RetrievalSettings, SampleError, SampleFailure, StageTimes
 from tasks.steps import (consolidate_step, extract_batch_step, node_batch_step, node_retry_sample_step, prepare_step,
                          retry_sample_step)
-from tasks.shards import list_shards, read_shard_index
+from tasks.shards import list_shards, read_shard_index, remove_unfinished_shards
 from tasks.training_set import DatasetInfo
 from tasks.vocab_mapping import draft_vocab_size_for
 
@@ -385,6 +385,9 @@ def extract(params: ExtractParameters = ExtractParameters()) -> dict:
                                                         "(%s); waiting up to %.0f s", vdir, other,
                                                         params.version_wait_s)):
         log.info("dataset version %s in %s", config.fingerprint(), vdir)
+        unfinished = remove_unfinished_shards(vdir)  # of killed runs: the lock says none is writing now
+        if unfinished:
+            log.info("removed %d unfinished shard files of an earlier run that was killed", unfinished)
 
         info = DatasetInfo(model=facts.name, layer_ids=list(config.layer_ids), layer_convention=config.layer_convention,
                            final_states=config.final_states, dtype=config.dtype, store_dtype=config.store_dtype,
@@ -421,8 +424,15 @@ def extract(params: ExtractParameters = ExtractParameters()) -> dict:
             with node_slot(params.node.host_name(), params.node.lease_timeout_s) as waited_s:
                 phases_s["waiting for the node"] = waited_s
                 mark = time.monotonic()
-                new_tokens, failures, extract_s = run_extraction(params, model_path, out, vdir, run_id, todo,
-                                                                 config.layer_ids, facts.hidden_size, stages)
+                try:
+                    new_tokens, failures, extract_s = run_extraction(params, model_path, out, vdir, run_id, todo,
+                                                                     config.layer_ids, facts.hidden_size, stages)
+                except RunFailed as exc:  # the run's record says so too; finished shards stay for a re-run
+                    record = record_run(vdir, run_id, {
+                        "run": run_id, "version": config.fingerprint(), "version_dir": str(vdir),
+                        "rows_in": prepared.rows_in, "samples_to_extract": len(todo), "error": str(exc),
+                        "wall_s": round(time.monotonic() - started, 2)}, [], truncated)
+                    raise RunFailed(f"{exc}; run record {record}", record) from exc
         else:
             log.info("nothing new to extract: all %d samples are in dataset version %s",
                      len(prepared.samples), config.fingerprint())

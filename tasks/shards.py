@@ -430,6 +430,18 @@ def list_shards(version_dir: Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if p.name.endswith(SHARD_SUFFIX) and not p.name.startswith("."))
 
 
+def remove_unfinished_shards(version_dir: Path) -> int:
+    """Remove the temporary files of shards whose writer died (a killed run's batches); returns how
+    many. Only while no other run writes the version (the flow holds its version lock)."""
+    folder = Path(version_dir) / "shards"
+    if not folder.is_dir():
+        return 0
+    unfinished = [p for p in folder.iterdir() if p.name.startswith(".") and p.name.endswith(".tmp")]
+    for path in unfinished:
+        path.unlink(missing_ok=True)
+    return len(unfinished)
+
+
 def _check_sample(path: Path, s: TrainingSample, planned: _Planned, dtype: torch.dtype, hidden: int,
                   aux_width: int) -> None:
     def bad(reason: str) -> InvalidSample:

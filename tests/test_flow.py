@@ -433,10 +433,12 @@ def test_a_server_that_keeps_dying_fails_the_run_without_a_task_flood(prefect_ap
     out, kills = tmp_path / "out", []
     killer = kill_the_server_after(out, shards=1, kills=kills, times=2)
     started = time.monotonic()
-    with pytest.raises(RunFailed, match="the server died 2 times"):
+    with pytest.raises(RunFailed, match="the server died 2 times") as failed:
         extract(ExtractParameters(prompts=str(prompts), model_path=str(tiny_model_dir), out=str(out), batch_size=3,
                                   max_in_flight=2, concurrent_batches=1, backoff_s=0.05, server_restarts=1))
     killer.join(5)
+    record = json.loads(failed.value.record.read_text())  # a failed run still leaves its record, with the reason
+    assert "the server died 2 times" in record["summary"]["error"] and record["summary"]["samples_to_extract"] == 24
     assert len(kills) == 2
     assert time.monotonic() - started < 180, "samples waited through their retries for a dead server"
     with get_client(sync_client=True) as client:
