@@ -50,7 +50,7 @@ from tasks.retrieval import ExpectedDump, InFlightLimit, RetrievalSettings, Samp
 from tasks.steps import (consolidate_step, extract_batch_step, node_batch_step, node_retry_sample_step, prepare_step,
                          retry_sample_step)
 from tasks.shards import list_shards, read_shard_index
-from tasks.training_set import DatasetInfo
+from tasks.training_set import DatasetInfo, atomic_write, point_latest
 from tasks.vocab_mapping import draft_vocab_size_for
 
 REPO = Path(__file__).resolve().parent.parent
@@ -207,6 +207,10 @@ class ExtractParameters(BaseModel):
                                   description="Qwen3 and others; part of the version.")
     chat_template_kwargs: dict[str, Any] = Field({}, title="More chat template variables (JSON)",
                                                  description="Passed to the template; part of the version.")
+    retry_failed_of: str | None = Field(
+        None, title="Retry the failed samples of version", pattern=r"^[0-9a-f]{16}$",
+        description="A dataset version (16 hex digits): extract only the samples its runs recorded as failed "
+                    "and not written since, into it, nothing new; the other parameters must give that version.")
 
     def template_variables(self) -> TemplateVariables:
         return TemplateVariables(self.template_date, self.enable_thinking, self.chat_template_kwargs)
@@ -228,6 +232,10 @@ class ServerDied(RuntimeError):
 
 class RunFailed(RuntimeError):
     """The run could not produce what it was asked for (failure budget, a server that keeps dying)."""
+
+
+class CannotRetry(ValueError):
+    """--retry-failed-of names a version these parameters do not give, or one with no readable run records."""
 
 
 class ServerWatch:
@@ -360,6 +368,7 @@ def extract(params: ExtractParameters = ExtractParameters()) -> dict:
                                params.max_length, params.on_overlong, params.store_dtype,
                                template_variables=variables.record())
     vdir = version_dir(out, config)
+    retry_keys = recorded_failures(params.retry_failed_of, vdir) if params.retry_failed_of else None
     (vdir / "shards").mkdir(parents=True, exist_ok=True)
     log.info("dataset version %s in %s", config.fingerprint(), vdir)
 
@@ -381,6 +390,15 @@ def extract(params: ExtractParameters = ExtractParameters()) -> dict:
     log.info("%d rows: %d samples (%d already extracted), %d duplicates, %d rejected",
              prepared.rows_in, len(prepared.samples), len(prepared.samples) - len(todo),
              len(prepared.duplicates), len(prepared.rejected))
+    missing = len(todo)  # samples not in the version yet
+    if retry_keys is not None:
+        todo = [s for s in todo if s.sample_key in retry_keys]
+        log.info("retrying %d failed samples of version %s; %d samples not in it yet are left for a later run",
+                 len(todo), params.retry_failed_of, missing - len(todo))
+        gone = retry_keys - done - {s.sample_key for s in prepared.samples}
+        if gone:
+            log.warning("%d failed samples of version %s are not in these prompts (e.g. %s)", len(gone),
+                        params.retry_failed_of, sorted(gone)[:3])
 
     phases_s["prompt preparation"] = time.monotonic() - mark
     run_id = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
@@ -397,7 +415,8 @@ def extract(params: ExtractParameters = ExtractParameters()) -> dict:
 
     phases_s["extraction"] = time.monotonic() - mark
     failed_keys = {f.sample_key for f in failures}
-    keep = {s.sample_key for s in prepared.samples if s.sample_key not in failed_keys}
+    selected = done | {s.sample_key for s in todo}
+    keep = {s.sample_key for s in prepared.samples if s.sample_key in selected and s.sample_key not in failed_keys}
     mark = time.monotonic()
     consolidated = finish_dataset(params, vdir, info, keep)
     phases_s["consolidation and exports"] = time.monotonic() - mark
@@ -405,13 +424,15 @@ def extract(params: ExtractParameters = ExtractParameters()) -> dict:
     summary = {
         "run": run_id, "version": config.fingerprint(), "version_dir": str(vdir),
         "rows_in": prepared.rows_in, "written": len(keep), "written_this_run": len(todo) - len(failures),
-        "already_present": len(prepared.samples) - len(todo), "duplicates": len(prepared.duplicates),
+        "already_present": len(prepared.samples) - missing, "left_for_later": missing - len(todo),
+        "duplicates": len(prepared.duplicates),
         "rejected": len(prepared.rejected), "failed": len(failures), "tokens_this_run": new_tokens,
         "dataset_tokens": consolidated.tokens, "dataset_bytes": consolidated.bytes,
         "tokens_per_s": round(new_tokens / extract_s, 1) if extract_s else 0.0,
         "wall_s": round(time.monotonic() - started, 2),
     }
-    accounted = summary["written"] + summary["duplicates"] + summary["rejected"] + summary["failed"]
+    accounted = (summary["written"] + summary["duplicates"] + summary["rejected"] + summary["failed"]
+                 + summary["left_for_later"])
     if accounted != prepared.rows_in:
         raise RuntimeError(f"sample accounting is off: {prepared.rows_in} rows in, {accounted} accounted for "
                            f"({summary})")
@@ -430,6 +451,8 @@ def extract(params: ExtractParameters = ExtractParameters()) -> dict:
         raise RunFailed(f"{len(failures)} of {len(todo)} samples failed, over the failure budget of "
                         f"{failure_budget(params, len(todo))} (--max-failed-fraction {params.max_failed_fraction}); "
                         f"the written samples are in {vdir}, the failed ones in {vdir / 'runs' / (run_id + '.json')}")
+    if not params.node.shards_remote or params.node.fetch:  # only a version whose shards are here loads here
+        log.info("%s now points at dataset version %s", point_latest(out, vdir), config.fingerprint())
     return summary
 
 
@@ -648,8 +671,26 @@ def extract_on_node(params: ExtractParameters, node: SshNode, settings: Retrieva
 def record_run(vdir: Path, run_id: str, summary: dict, failures: list[SampleFailure]) -> None:
     runs = vdir / "runs"
     runs.mkdir(exist_ok=True)
-    (runs / f"{run_id}.json").write_text(json.dumps({"summary": summary, "failed": [f.__dict__ for f in failures]},
-                                                    indent=2))
+    record = json.dumps({"summary": summary, "failed": [f.__dict__ for f in failures]}, indent=2)
+    atomic_write(runs / f"{run_id}.json", lambda tmp: tmp.write_text(record))
+
+
+def recorded_failures(version: str, vdir: Path) -> set[str]:
+    """Sample keys the runs of ``version`` recorded as failed (``record_run``); ``vdir`` is the version
+    this run's parameters give, which must be that one."""
+    if vdir.name != version:
+        raise CannotRetry(f"--retry-failed-of {version}: these parameters give dataset version {vdir.name}; give "
+                          f"the model, layers, dtypes, template, its variables and length rule of the failed run")
+    records = sorted((vdir / "runs").glob("*.json"))
+    if not records:
+        raise CannotRetry(f"--retry-failed-of {version}: no run of it is recorded in {vdir / 'runs'}")
+    keys = set()
+    for path in records:
+        try:
+            keys |= {failure["sample_key"] for failure in json.loads(path.read_text())["failed"]}
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise CannotRetry(f"--retry-failed-of {version}: cannot read the run record {path}: {exc!r}") from exc
+    return keys
 
 
 #: Flags that differ from ``--<field-name>`` (the names SGLang and earlier releases gave them).
