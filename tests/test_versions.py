@@ -1,7 +1,9 @@
-"""``{out}/latest``: moved in one rename, only once a run has consolidated its version and completed.
+"""Dataset versions as a user meets them: ``{out}/latest`` and retrying a version's failed samples.
 
-A run killed outright (SIGKILL) during its consolidation leaves it on the previous complete version,
-which still loads; the next run repairs the version and moves it."""
+``latest`` is moved in one rename, only once a run has consolidated its version and completed: a run
+killed outright (SIGKILL) during its consolidation leaves it on the previous complete version, which
+still loads, and the next run repairs the version and moves it. (The retry through a deployment:
+tests/test_deployments.py.)"""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from flows.extract import REPO, ExtractParameters, RunFailed, ServerOptions, extract
+from flows.extract import REPO, CannotRetry, ExtractParameters, RunFailed, ServerOptions, extract
 from tasks.training_set import TrainingSetDataset
 from tests.test_flow import conversations, write_jsonl
 
@@ -102,3 +104,18 @@ def test_a_failed_run_does_not_move_latest(prefect_api, tiny_model_dir, tmp_path
     (failed_version,) = [p for p in (out / "versions").iterdir() if p.name != good["version"]]
     assert pl.read_parquet(failed_version / "manifest.parquet").height == 5  # consolidated, yet the run failed
     assert os.readlink(latest) == f"versions/{good['version']}"
+
+
+def test_a_retry_of_failed_samples_is_refused_for_a_version_these_parameters_do_not_give(prefect_api, tiny_model_dir,
+                                                                                        tmp_path):
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", conversations(3))
+    base = dict(prompts=str(prompts), model_path=str(tiny_model_dir), out=str(tmp_path / "out"))
+    done = extract(ExtractParameters(**base))
+    with pytest.raises(CannotRetry, match=f"these parameters give dataset version {done['version']}"):
+        extract(ExtractParameters(**base, retry_failed_of="0123456789abcdef"))
+    # Its own version, nothing failed: nothing to extract, nothing new either.
+    rows = conversations(3) + conversations(2, tag="new")
+    again = extract(ExtractParameters(**{**base, "prompts": str(write_jsonl(tmp_path / "more.jsonl", rows))},
+                                      retry_failed_of=done["version"]))
+    assert (again["written_this_run"], again["left_for_later"], again["written"]) == (0, 2, 3)
+    assert (tmp_path / "out" / "versions").is_dir() and len(list((tmp_path / "out" / "versions").iterdir())) == 1
