@@ -119,3 +119,22 @@ def test_a_retry_of_failed_samples_is_refused_for_a_version_these_parameters_do_
                                       retry_failed_of=done["version"]))
     assert (again["written_this_run"], again["left_for_later"], again["written"]) == (0, 2, 3)
     assert (tmp_path / "out" / "versions").is_dir() and len(list((tmp_path / "out" / "versions").iterdir())) == 1
+
+
+def test_a_consolidation_that_stops_after_the_manifest_lists_no_export_of_the_old_one(prefect_api, tiny_model_dir,
+                                                                                     tmp_path):
+    out = tmp_path / "out"
+    base = dict(model_path=str(tiny_model_dir), out=str(out), exports=["specforge"])
+    first = extract(ExtractParameters(**base, prompts=str(write_jsonl(tmp_path / "a.jsonl", conversations(3)))))
+    vdir = Path(first["version_dir"])
+    assert json.loads((vdir / "dataset.json").read_text())["exports"] == ["specforge"]
+    # The next consolidation fails right after the manifest (the vocabulary mapping cannot replace a folder).
+    (vdir / "vocab_mapping.pt").unlink()
+    (vdir / "vocab_mapping.pt").mkdir()
+    with pytest.raises(OSError):
+        extract(ExtractParameters(**base, prompts=str(write_jsonl(tmp_path / "b.jsonl", conversations(5)))))
+    assert pl.read_parquet(vdir / "manifest.parquet").height == 5  # the new manifest, whole
+    # The specforge export holds 3 samples of the 5: dataset.json must not list it as in line.
+    assert json.loads((vdir / "dataset.json").read_text())["exports"] == []
+    assert os.readlink(out / "latest") == f"versions/{first['version']}"  # same version, still loads
+    assert len(TrainingSetDataset(out / "latest")) == 5
