@@ -59,7 +59,7 @@ from tasks.retrieval import ExpectedDump, InFlightLimit, RetrievalSettings, Samp
 from tasks.steps import (consolidate_step, extract_batch_step, node_batch_step, node_retry_sample_step, prepare_step,
                          retry_sample_step)
 from tasks.shards import list_shards, read_shard_index, remove_unfinished_shards
-from tasks.training_set import DatasetInfo
+from tasks.training_set import DatasetInfo, atomic_write, point_latest
 from tasks.vocab_mapping import draft_vocab_size_for
 
 REPO = Path(__file__).resolve().parent.parent
@@ -243,6 +243,10 @@ class ExtractParameters(BaseModel):
                                   description="Qwen3 and others; part of the version.")
     chat_template_kwargs: dict[str, Any] = Field({}, title="More chat template variables (JSON)",
                                                  description="Passed to the template; part of the version.")
+    retry_failed_of: str | None = Field(
+        None, title="Retry the failed samples of version", pattern=r"^[0-9a-f]{16}$",
+        description="A dataset version (16 hex digits): extract only the samples its runs recorded as failed "
+                    "and not written since, into it, nothing new; the other parameters must give that version.")
 
     def template_variables(self) -> TemplateVariables:
         return TemplateVariables(self.template_date, self.enable_thinking, self.chat_template_kwargs)
@@ -270,6 +274,10 @@ class RunFailed(RuntimeError):
     def __init__(self, reason: str, record: Path | None = None):
         self.record = record
         super().__init__(reason)
+
+
+class CannotRetry(ValueError):
+    """--retry-failed-of names a version these parameters do not give, or one with no readable run records."""
 
 
 def failure_budget(params: ExtractParameters, samples: int) -> int:
@@ -377,6 +385,7 @@ def extract(params: ExtractParameters = ExtractParameters()) -> dict:
                                params.max_length, params.on_overlong, params.store_dtype,
                                template_variables=variables.record())
     vdir = version_dir(out, config)
+    retry_keys = recorded_failures(params.retry_failed_of, vdir) if params.retry_failed_of else None
     (vdir / "shards").mkdir(parents=True, exist_ok=True)
     # One run writes a version folder at a time (CLI runs, both deployments): an OS lock, dropped with the process.
     holder = lock_holder(flow_run=str(current_flow_run.id), name=current_flow_run.name)
@@ -407,6 +416,17 @@ def extract(params: ExtractParameters = ExtractParameters()) -> dict:
         log.info("%d rows: %d samples (%d already extracted), %d duplicates, %d rejected",
                  prepared.rows_in, len(prepared.samples), len(prepared.samples) - len(todo),
                  len(prepared.duplicates), len(prepared.rejected))
+        missing = len(todo)  # samples not in the version yet
+        left_for_later: set[str] = set()
+        if retry_keys is not None:
+            left_for_later = {s.sample_key for s in todo if s.sample_key not in retry_keys}
+            todo = [s for s in todo if s.sample_key in retry_keys]
+            log.info("retrying %d failed samples of version %s; %d samples not in it yet are left for a later run",
+                     len(todo), params.retry_failed_of, len(left_for_later))
+            gone = retry_keys - done - {s.sample_key for s in prepared.samples}
+            if gone:
+                log.warning("%d failed samples of version %s are not in these prompts (e.g. %s)", len(gone),
+                            params.retry_failed_of, sorted(gone)[:3])
         truncated = [s.source_id for s in prepared.samples if s.truncated]
         if truncated:
             log.warning("%d samples were cut to --max-length %d tokens (their ids: the run record)", len(truncated),
@@ -439,7 +459,7 @@ def extract(params: ExtractParameters = ExtractParameters()) -> dict:
 
         phases_s["extraction"] = time.monotonic() - mark
         failed_keys = {f.sample_key for f in failures}
-        keep = {s.sample_key for s in prepared.samples if s.sample_key not in failed_keys}
+        keep = {s.sample_key for s in prepared.samples if s.sample_key not in failed_keys | left_for_later}
         mark = time.monotonic()
         consolidated = finish_dataset(params, vdir, info, keep)
         phases_s["consolidation and exports"] = time.monotonic() - mark
@@ -447,16 +467,17 @@ def extract(params: ExtractParameters = ExtractParameters()) -> dict:
         summary = {
             "run": run_id, "version": config.fingerprint(), "version_dir": str(vdir),
             "rows_in": prepared.rows_in, "written": len(keep), "written_this_run": len(todo) - len(failures),
-            "already_present": len(prepared.samples) - len(todo), "duplicates": len(prepared.duplicates),
-            "rejected": len(prepared.rejected), "failed": len(failures), "truncated": len(truncated),
-            "tokens_this_run": new_tokens,
+            "already_present": len(prepared.samples) - missing, "left_for_later": len(left_for_later),
+            "duplicates": len(prepared.duplicates), "rejected": len(prepared.rejected), "failed": len(failures),
+            "truncated": len(truncated), "tokens_this_run": new_tokens,
             "dataset_tokens": consolidated.tokens, "dataset_bytes": consolidated.bytes,
             "tokens_per_s": round(new_tokens / extract_s, 1) if extract_s else 0.0,
             "wall_s": round(time.monotonic() - started, 2),
         }
         record = record_run(vdir, run_id, summary, failures, truncated)
         # Read back from the files, not derived from each other: a lost or extra sample is named here.
-        reconcile(vdir, prepared, record, shards_here=not params.node.shards_remote or params.node.fetch)
+        reconcile(vdir, prepared, record, shards_here=not params.node.shards_remote or params.node.fetch,
+                  left_for_later=left_for_later)
         # The UI's tables do not wrap and scroll sideways: counts first, long ids and paths last.
         create_table_artifact(key="extraction-summary", table=[dict(sorted(
             summary.items(), key=lambda item: item[0] in ("run", "version", "version_dir")))],
@@ -474,6 +495,8 @@ def extract(params: ExtractParameters = ExtractParameters()) -> dict:
             raise RunFailed(f"{len(failures)} of {len(todo)} samples failed, over the failure budget of "
                             f"{failure_budget(params, len(todo))} (--max-failed-fraction {params.max_failed_fraction}); "
                             f"the written samples are in {vdir}, the failed ones in {record}", record)
+        if not params.node.shards_remote or params.node.fetch:  # only a version whose shards are here loads here
+            log.info("%s now points at dataset version %s", point_latest(out, vdir), config.fingerprint())
         return summary
 
 
@@ -744,9 +767,28 @@ def record_run(vdir: Path, run_id: str, summary: dict, failures: list[SampleFail
     runs = vdir / "runs"
     runs.mkdir(exist_ok=True)
     path = runs / f"{run_id}.json"
-    path.write_text(json.dumps({"summary": summary, "failed": [f.__dict__ for f in failures],
-                                "truncated": truncated}, indent=2))
+    record = json.dumps({"summary": summary, "failed": [f.__dict__ for f in failures], "truncated": truncated},
+                        indent=2)
+    atomic_write(path, lambda tmp: tmp.write_text(record))
     return path
+
+
+def recorded_failures(version: str, vdir: Path) -> set[str]:
+    """Sample keys the runs of ``version`` recorded as failed (``record_run``); ``vdir`` is the version
+    this run's parameters give, which must be that one."""
+    if vdir.name != version:
+        raise CannotRetry(f"--retry-failed-of {version}: these parameters give dataset version {vdir.name}; give "
+                          f"the model, layers, dtypes, template, its variables and length rule of the failed run")
+    records = sorted((vdir / "runs").glob("*.json"))
+    if not records:
+        raise CannotRetry(f"--retry-failed-of {version}: no run of it is recorded in {vdir / 'runs'}")
+    keys = set()
+    for path in records:
+        try:
+            keys |= {failure["sample_key"] for failure in json.loads(path.read_text())["failed"]}
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise CannotRetry(f"--retry-failed-of {version}: cannot read the run record {path}: {exc!r}") from exc
+    return keys
 
 
 #: Flags that differ from ``--<field-name>`` (the names SGLang and earlier releases gave them).

@@ -50,8 +50,10 @@ class Accounting:
 
 
 def reconcile(version_dir: Path | str, prepared: PreparedPrompts, run_record: Path | str,
-              shards_here: bool = True) -> Accounting:
-    """Check the version's manifest, shards, rejects file and the run record against ``prepared``."""
+              shards_here: bool = True, left_for_later: set[str] = frozenset()) -> Accounting:
+    """Check the version's manifest, shards, rejects file and the run record against ``prepared``.
+    ``left_for_later``: keys of samples this run did not try (a retry of failed samples only); they
+    must be in neither the manifest nor the failures."""
     vdir, run_record = Path(version_dir), Path(run_record)
     problems: list[str] = []
     manifest = read_manifest(vdir)
@@ -66,7 +68,10 @@ def reconcile(version_dir: Path | str, prepared: PreparedPrompts, run_record: Pa
     inputs = {s.sample_key: s for s in prepared.samples}
     for key, sample in inputs.items():
         where = f"sample {sample.source_id!r} (line {sample.line}, key {key[:12]})"
-        if written[key] + failed_keys[key] == 0:
+        if key in left_for_later:
+            if written[key] or failed_keys[key]:
+                problems.append(f"{where} was left for a later run but is in {MANIFEST_NAME} or the failures")
+        elif written[key] + failed_keys[key] == 0:
             problems.append(f"{where} is in neither {MANIFEST_NAME} nor the failures of {run_record.name}")
         elif written[key] and failed_keys[key]:
             problems.append(f"{where} is both in {MANIFEST_NAME} and among the failures of {run_record.name}")
@@ -81,7 +86,7 @@ def reconcile(version_dir: Path | str, prepared: PreparedPrompts, run_record: Pa
         if f["sample_key"] not in inputs:
             problems.append(f"failed sample {f['source_id']!r} in {run_record.name} is no sample of the input")
     for dup in prepared.duplicates:
-        if not (written[dup.sample_key] or failed_keys[dup.sample_key]):
+        if not (written[dup.sample_key] or failed_keys[dup.sample_key] or dup.sample_key in left_for_later):
             problems.append(f"duplicate {dup.source_id!r} (line {dup.line}) of {dup.first_source_id!r}: its sample "
                             f"(key {dup.sample_key[:12]}) is in neither {MANIFEST_NAME} nor the failures")
     want_rejected = sorted(r.line for r in prepared.rejected)

@@ -2,8 +2,9 @@
 
 Composition only: the layout is tasks.training_set's, the exports tasks.exports', the
 mapping tasks.vocab_mapping's. Order, so that dataset.json never names a file that is not on
-disk: the manifest, the vocabulary files, dataset.json (no exports listed), then each export,
-which lists itself in dataset.json once its files are written.
+disk, nor an export out of line with the manifest, whenever the consolidation stops: exports
+unlisted, the manifest, the vocabulary files, dataset.json (no exports listed), then each export,
+which lists itself in dataset.json once its files are written. Each file is replaced by a rename.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import polars as pl
 
 from tasks.exports import ExportSummary, check_exports, run_export
 from tasks.shards import TrainingSetError, list_shards, read_shard_index, read_shard_layout
-from tasks.training_set import MANIFEST_NAME, MANIFEST_SCHEMA, DatasetInfo, atomic_write, sample_bytes, \
-    write_dataset_json
+from tasks.training_set import DATASET_INFO_NAME, MANIFEST_NAME, MANIFEST_SCHEMA, DatasetInfo, atomic_write, \
+    read_dataset_json, sample_bytes, write_dataset_json
 from tasks.vocab_mapping import VocabMappingSummary, write_vocab_mapping
 
 
@@ -80,6 +81,10 @@ def consolidate(version_dir: Path, info: DatasetInfo, keep_keys: set[str] | None
     tokens = int(manifest["num_tokens"].sum())
     supervised = int(manifest["num_supervised"].sum())
 
+    if (version_dir / DATASET_INFO_NAME).exists():
+        listed = read_dataset_json(version_dir)
+        if listed.get("exports"):  # in line with the manifest about to be replaced: not any more
+            write_dataset_json(version_dir, {**listed, "exports": []})
     atomic_write(version_dir / MANIFEST_NAME, manifest.write_parquet)
     vocab = None if index_rows is not None else write_vocab_mapping(version_dir, manifest, info, draft_vocab_size)
     summary = ConsolidationSummary(

@@ -4,7 +4,8 @@
 dtype, chat template, template variable (the date a template writes, enable_thinking, any
 chat_template_kwargs) or length rule is another folder, never mixed into this one.
 Within a version a sample is identified by its content key, so a re-run extracts only
-the keys that no finished shard holds yet.
+the keys that no finished shard holds yet. ``{out}/latest`` links to the version of the last
+run that completed (tasks.training_set.point_latest).
 
 One run writes a version folder at a time: :func:`version_lock` holds an OS lock
 (``flock``) on ``run.lock`` in it for the whole run. The kernel drops the lock with the

@@ -18,6 +18,14 @@ the hidden states (tasks.shards).
 
 Shards: tasks.shards.
 
+``{out}/latest`` is a relative symlink (``versions/{fingerprint}``) to the version of the last run
+that completed (``point_latest``). It is moved by renaming a new link over the old one, so a reader
+finds the old version or the new one, never neither, and it is moved only once a run has
+consolidated its version and completed. A symlink rather than a pointer file: every reader,
+this project's or a trainer's, takes a folder path and follows it unchanged. Readers that keep
+a version open resolve the link once (``TrainingSetDataset``, the exports), so a run that moves
+it meanwhile does not switch their version under them.
+
 Manifest columns: sample_key, source_id, num_tokens, num_supervised, shard (file name under
 shards/), offset_start, offset_end (token rows in that shard), content_hash; sorted by sample_key.
 """
@@ -42,6 +50,7 @@ from tasks.shards import HIDDEN_DTYPES, QUANTIZED_DTYPES, ShardCorrupt, Training
 DATASET_FORMAT = "eagle3-training-set"
 MANIFEST_NAME = "manifest.parquet"
 DATASET_INFO_NAME = "dataset.json"
+LATEST_NAME = "latest"
 
 MANIFEST_SCHEMA = {
     "sample_key": pl.String, "source_id": pl.String, "num_tokens": pl.Int64, "num_supervised": pl.Int64,
@@ -132,6 +141,16 @@ def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
         raise
 
 
+def point_latest(out: Path, version_dir: Path) -> Path:
+    """Point ``{out}/latest`` at ``version_dir`` in one rename; returns the link."""
+    link = Path(out) / LATEST_NAME
+    if link.exists() and not link.is_symlink():
+        raise TrainingSetError(f"{link} is not the latest-version symlink this tool keeps; move it away")
+    target = os.path.relpath(version_dir, out)  # relative: the output folder can be moved or copied whole
+    atomic_write(link, lambda tmp: os.symlink(target, tmp))
+    return link
+
+
 # --------------------------------------------------------------------------- loader
 
 
@@ -146,7 +165,8 @@ class TrainingSetDataset(torch.utils.data.Dataset):
     """
 
     def __init__(self, version_dir: Path | str, open_shards: int = 64):
-        self.version_dir = Path(version_dir)
+        # Resolved once: given {out}/latest, the version stays the one read here when a run moves the link.
+        self.version_dir = Path(version_dir).resolve()
         self.info = read_dataset_info(self.version_dir)
         self.manifest = read_manifest(self.version_dir)
         self._shard = self.manifest["shard"].to_list()

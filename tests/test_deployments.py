@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import polars as pl
 import pytest
 import requests
 from prefect import get_client
@@ -24,6 +25,7 @@ from flows.extract import REPO, ExtractParameters
 from infra.server import free_port
 from tasks.prompts import prompt_files
 from tasks.retrieval import StageTimes
+from tasks.shards import list_shards, read_shard_index
 from tests.test_flow import conversations, write_jsonl
 
 PREFECT = str(Path(sys.executable).parent / "prefect")
@@ -152,10 +154,41 @@ def test_nightly_on_a_growing_folder_extracts_only_the_new_files(deployed, tiny_
     assert second["version"] == first["version"]
 
 
+def test_retry_failed_deployment_extracts_only_the_failed_sample(deployed, tiny_model_dir, tmp_path):
+    folder = tmp_path / "incoming"
+    folder.mkdir()
+    rows = conversations(5, tag="r")
+    rows.insert(2, {"id": "too-long-for-server", "messages": [{"role": "user", "content": "tell me a story " * 400},
+                                                              {"role": "assistant", "content": "no."}]})
+    write_jsonl(folder / "2026-12-01.jsonl", rows)
+    params = {"prompts": str(folder), "model_path": str(tiny_model_dir), "out": str(tmp_path / "out"),
+              "max_length": 4000, "max_failed_fraction": 0.5}
+    # The server refuses the long sample (its context is 512 tokens): a completed run with one failed sample.
+    first = run_through_worker(deployed, "extract-eagle3/extract",
+                               {**params, "server": {"extra_args": ["--context-length", "512"]}}, tmp_path / "worker")
+    assert (first["written"], first["failed"]) == (5, 1)
+    write_jsonl(folder / "2026-12-02.jsonl", conversations(2, tag="later"))  # new prompts: not the retry's business
+
+    retry = run_through_worker(deployed, "extract-eagle3/retry-failed", {**params, "retry_failed_of": first["version"]},
+                               tmp_path / "worker")
+    assert retry["version"] == first["version"]
+    assert (retry["written_this_run"], retry["failed"], retry["left_for_later"], retry["already_present"],
+            retry["written"]) == (1, 0, 2, 5, 6)
+    vdir = Path(first["version_dir"])
+    # The retry's shards hold exactly the failed sample, and the manifest now holds all of the first run's rows.
+    (failed_key,) = [f["sample_key"] for r in (vdir / "runs").glob("*.json") for f in json.loads(r.read_text())["failed"]]
+    written = [row["sample_key"] for shard in list_shards(vdir) if retry["run"] in shard.name
+               for row in read_shard_index(shard)]
+    assert written == [failed_key]
+    manifest = pl.read_parquet(vdir / "manifest.parquet")
+    assert sorted(manifest["source_id"]) == sorted(r["id"] for r in rows)
+    assert os.readlink(tmp_path / "out" / "latest") == f"versions/{vdir.name}"
+
+
 def test_nightly_deployment_is_registered_incremental_and_never_overlaps(deployed):
     with get_client(sync_client=True) as client:
         deployments = {d.name: d for d in client.read_deployments()}
-    assert set(deployments) == {"extract", "nightly"}
+    assert set(deployments) == {"extract", "nightly", "retry-failed"}
     nightly = deployments["nightly"]
     (schedule,) = nightly.schedules
     assert (schedule.schedule.cron, schedule.schedule.timezone, schedule.active) == ("0 2 * * *", "Europe/Berlin",

@@ -40,7 +40,7 @@ def check_exports(names: Sequence[str], info: DatasetInfo) -> None:
 
 def run_export(name: str, version_dir: Path) -> ExportSummary:
     """Bring ``{version_dir}/exports/{name}/`` in line with the version's manifest, then list it in dataset.json."""
-    version_dir = Path(version_dir)
+    version_dir = Path(version_dir).resolve()  # {out}/latest: the version it names now, even if a run moves it
     dataset = TrainingSetDataset(version_dir)
     check_exports([name], dataset.info)
     summary = write_per_sample_files(EXPORTS[name], dataset)
