@@ -12,9 +12,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from prefect import get_client
-from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterStartTime, LogFilter, \
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterStartTime, LogFilter, \
     LogFilterFlowRunId
 from prefect.client.schemas.sorting import LogSort
+from prefect.concurrency.sync import concurrency
 from prefect.exceptions import ObjectNotFound
 
 from flows.extract import REPO
@@ -49,6 +50,11 @@ def slot_log(flow_run_id) -> dict[str, tuple[datetime, str]]:
             if log.message.startswith(("taking a slot", "holding a slot", "released the slot"))}
 
 
+def flow_runs_since(started: datetime) -> list:
+    with get_client(sync_client=True) as client:
+        return client.read_flow_runs(flow_run_filter=FlowRunFilter(start_time=FlowRunFilterStartTime(after_=started)))
+
+
 def test_two_runs_on_the_same_node_take_turns(prefect_api, tiny_model_dir, tmp_path):
     name = node_limit_name(socket.gethostname())  # both runs start their server on this machine
     created = subprocess.run([PREFECT, "gcl", "create", name, "--limit", "1"], capture_output=True, text=True,
@@ -57,13 +63,17 @@ def test_two_runs_on_the_same_node_take_turns(prefect_api, tiny_model_dir, tmp_p
     prompts = write_jsonl(tmp_path / "prompts.jsonl", conversations(12))
     started = datetime.now(timezone.utc)
     try:
-        first = start_run(prompts, tiny_model_dir, tmp_path / "a")
-        deadline = time.monotonic() + 120
-        while active_slots(name) == 0:  # the second starts only once the first holds the node
-            assert first.poll() is None and time.monotonic() < deadline, first.communicate()[0][-3000:]
-            time.sleep(0.2)
-        second = start_run(prompts, tiny_model_dir, tmp_path / "b")
-        summaries = [finish(first), finish(second)]
+        # The test holds the node itself until both runs wait for it, so that they compete whatever the
+        # machine's speed (a run of 12 tiny samples can end before a second process has started).
+        with concurrency(name, occupy=1, lease_duration=60, strict=True):
+            procs = [start_run(prompts, tiny_model_dir, tmp_path / "a"), start_run(prompts, tiny_model_dir, tmp_path / "b")]
+            deadline = time.monotonic() + 300
+            while sum("taking" in slot_log(r.id) for r in flow_runs_since(started)) < 2:
+                assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, \
+                    [p.communicate()[0][-3000:] for p in procs if p.poll() is not None]
+                time.sleep(0.5)
+            time.sleep(1.5)  # both wait, for longer than the check below
+        summaries = [finish(p) for p in procs]
         assert active_slots(name) == 0, "a finished run kept its slot"
     finally:
         with get_client(sync_client=True) as client:
@@ -73,12 +83,11 @@ def test_two_runs_on_the_same_node_take_turns(prefect_api, tiny_model_dir, tmp_p
                 pass
 
     assert [s["written_this_run"] for s in summaries] == [12, 12]
-    with get_client(sync_client=True) as client:
-        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(start_time=FlowRunFilterStartTime(after_=started)))
+    runs = flow_runs_since(started)
     assert len(runs) == 2
     first_log, second_log = sorted((slot_log(r.id) for r in runs), key=lambda log: log["holding"][0])
     assert set(first_log) == set(second_log) == {"taking", "holding", "released"}
-    assert second_log["taking"][1] == f"taking a slot of {name} (1 of 1 in use)"
+    assert second_log["taking"][1] == first_log["taking"][1] == f"taking a slot of {name} (1 of 1 in use)"
     # The second run's server started only after the first run's servers had stopped.
     assert second_log["holding"][0] >= first_log["released"][0]
     assert second_log["taking"][0] < first_log["released"][0], "the runs never competed for the node"
