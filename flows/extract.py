@@ -467,8 +467,8 @@ def extract(params: ExtractParameters = ExtractParameters()) -> dict:
         summary = {
             "run": run_id, "version": config.fingerprint(), "version_dir": str(vdir),
             "rows_in": prepared.rows_in, "written": len(keep), "written_this_run": len(todo) - len(failures),
-            "already_present": len(prepared.samples) - missing, "left_for_later": len(left_for_later),
-            "duplicates": len(prepared.duplicates), "rejected": len(prepared.rejected), "failed": len(failures),
+            "already_present": len(prepared.samples) - missing, "duplicates": len(prepared.duplicates),
+            "rejected": len(prepared.rejected), "failed": len(failures), "left_for_later": len(left_for_later),
             "truncated": len(truncated), "tokens_this_run": new_tokens,
             "dataset_tokens": consolidated.tokens, "dataset_bytes": consolidated.bytes,
             "tokens_per_s": round(new_tokens / extract_s, 1) if extract_s else 0.0,

@@ -410,7 +410,8 @@ class Scheduler:
 
     def flush_cache(self) -> None:
         with self._cond:
-            if self._waiting or self._running:
+            # A request answered in this step leaves _running only when the step ends: it is not pending.
+            if self._waiting or any(not req.done.is_set() for req in self._running):
                 raise BadRequest("Cache not flushed because there are pending requests.")
             if self.prefix_cache is not None:
                 self.prefix_cache.clear()
