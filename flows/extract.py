@@ -489,7 +489,7 @@ def extract(params: ExtractParameters = ExtractParameters()) -> dict:
         create_markdown_artifact(key="run-report", description=f"Run {run_id}: lengths, throughput, time",
                                  markdown=run_report(summary, [len(s.input_ids) for s in todo
                                                                if s.sample_key not in failed_keys], phases_s,
-                                                     stages.seconds))
+                                                     stages.seconds, stages.finished))
         log.info("summary: %s", json.dumps(summary))
         if len(failures) > failure_budget(params, len(todo)):
             raise RunFailed(f"{len(failures)} of {len(todo)} samples failed, over the failure budget of "
@@ -559,7 +559,7 @@ def extract_here(params: ExtractParameters, settings: RetrievalSettings, server:
                 shard_path=vdir / "shards" / f"shard-{run_id}-{i:05d}.safetensors",
                 limit=limit, on_done=bar.update, store_dtype=params.store_dtype, times=stages))
                 for i, batch in enumerate(batches)]
-            results = batch_results(futures, batches)
+            results = batch_results(futures, batches, on_batch=stages.batch_finished)
         except BaseException as exc:  # Ctrl-C: nothing more is sent; the runner waits only for requests in flight
             limit.stop(f"the run was interrupted ({type(exc).__name__})")
             raise
@@ -750,7 +750,7 @@ def extract_on_node(params: ExtractParameters, node: SshNode, settings: Retrieva
             shard_path=f"{node_vdir}/shards/shard-{run_id}-{i:05d}.safetensors", max_in_flight=params.max_in_flight,
             max_dump_bytes_in_flight=params.max_dump_bytes_in_flight, store_dtype=params.store_dtype))
             for i, batch in enumerate(batches)]
-        results = batch_results(futures, batches, on_batch=bar.update)
+        results = batch_results(futures, batches, on_batch=lambda n: (bar.update(n), stages.batch_finished(n)))
     for r in results:
         stages.add(r.stage_s)
     tokens = sum(r.shard.tokens for r in results if r.shard)

@@ -26,10 +26,11 @@ def length_histogram(lengths: Sequence[int]) -> list[tuple[str, int]]:
 
 
 def run_report(summary: dict, lengths: Sequence[int], phases_s: dict[str, float],
-               stages_s: dict[str, float] | None = None) -> str:
+               stages_s: dict[str, float] | None = None, finished: Sequence[tuple[float, int]] = ()) -> str:
     """Markdown: the summary's throughput, a histogram of this run's sample lengths (tokens), the
     run's wall time by phase and, inside the extraction, the samples' time by stage
-    (``tasks.retrieval.StageTimes``: summed over samples, which overlap)."""
+    (``tasks.retrieval.StageTimes``: summed over samples, which overlap), and the throughput over time
+    from ``finished``: (seconds since the extraction began, samples done) as batches finished."""
     tokens, seconds = summary["tokens_this_run"], phases_s.get("extraction", 0.0)
     lines = [f"# Run {summary['run']}: dataset version {summary['version']}", "",
              f"{summary['written_this_run']} samples written this run ({summary['failed']} failed, "
@@ -48,6 +49,14 @@ def run_report(summary: dict, lengths: Sequence[int], phases_s: dict[str, float]
         lines += ["", f"min {ordered[0]}, median {ordered[len(ordered) // 2]}, max {ordered[-1]}"]
     else:
         lines.append("No sample was extracted this run.")
+    if finished:
+        lines += ["", "## Throughput over time", "", "| batches finished | after (s) | samples done | "
+                  "samples/s since the last |", "|---:|---:|---:|---:|"]
+        previous = (0.0, 0)
+        for n, (at, done) in enumerate(finished, start=1):
+            rate = (done - previous[1]) / (at - previous[0]) if at > previous[0] else 0.0
+            lines.append(f"| {n} | {at:,.1f} | {done} | {rate:,.2f} |")
+            previous = (at, done)
     total = sum(phases_s.values())
     lines += ["", "## Where the time went", "", "| phase | seconds | share |", "|---|---:|---:|"]
     lines += [f"| {name} | {s:,.2f} | {100 * s / total if total else 0:.0f}% |" for name, s in phases_s.items()]

@@ -150,13 +150,21 @@ class InFlightLimit:
 
 class StageTimes:
     """Seconds the samples spent in each stage of an attempt, summed over samples (threads overlap:
-    the sum exceeds the wall time; the shares say where the time goes). Thread-safe."""
+    the sum exceeds the wall time; the shares say where the time goes), and when batches finished
+    (``finished``: seconds since this object was made, samples done by then). Thread-safe."""
 
     STAGES = ("server", "dump wait", "read and verify", "shard write")
 
     def __init__(self):
         self._lock = threading.Lock()
+        self._started = time.monotonic()
         self.seconds = dict.fromkeys(self.STAGES, 0.0)
+        self.finished: list[tuple[float, int]] = []
+
+    def batch_finished(self, samples: int) -> None:
+        with self._lock:
+            done = (self.finished[-1][1] if self.finished else 0) + samples
+            self.finished.append((time.monotonic() - self._started, done))
 
     @contextmanager
     def stage(self, name: str) -> Iterator[None]:

@@ -111,6 +111,7 @@ def test_deployed_extraction_runs_through_a_worker(deployed, tiny_model_dir, tmp
         assert f"| {phase} | " in report.data
     for stage in StageTimes.STAGES:  # inside the extraction: what the samples waited on
         assert f"| {stage} | " in report.data
+    assert "## Throughput over time" in report.data and "| 3 | " in report.data  # a row per finished batch
 
 
 def test_a_second_nightly_trigger_while_one_runs_is_cancelled(deployed, tiny_model_dir, tmp_path):

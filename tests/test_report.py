@@ -33,3 +33,9 @@ def test_report_splits_the_extraction_by_stage_per_sample():
 def test_a_run_with_nothing_new_says_so():
     report = run_report({**SUMMARY, "written_this_run": 0, "tokens_this_run": 0}, [], {"extraction": 0.0})
     assert "No sample was extracted this run." in report and "tokens/s" not in report
+
+
+def test_report_shows_throughput_over_time_as_batches_finished():
+    report = run_report(SUMMARY, [20, 30], {"extraction": 6.0}, None, [(2.0, 4), (3.0, 8), (6.0, 9)])
+    assert "## Throughput over time" in report
+    assert "| 1 | 2.0 | 4 | 2.00 |" in report and "| 2 | 3.0 | 8 | 4.00 |" in report and "| 3 | 6.0 | 9 | 0.33 |" in report
