@@ -161,7 +161,7 @@ def _int_row_sums(bits: torch.Tensor, dtype: torch.dtype | None) -> tuple[torch.
     acc = np.int32 if bits.element_size() == 2 and bits.shape[-1] <= 65536 else np.int64
     values = bits.numpy()
     sums = np.empty(values.shape[:-1], dtype=acc)
-    magnitude = np.empty((_SCAN_BLOCK_ROWS,) + values.shape[1:], dtype=values.dtype)
+    magnitude = np.empty((_SCAN_BLOCK_ROWS,) + values.shape[1:], dtype=values.dtype) if dtype is not None else None
     largest = 0
     for start in range(0, values.shape[0], _SCAN_BLOCK_ROWS):
         block = values[start:start + _SCAN_BLOCK_ROWS]

@@ -202,10 +202,9 @@ class ShardWriter:
             if not present:
                 self.abort()
                 return None
-            fd, tmp = self._fd, self._tmp
+            fd, tmp, layout = self._fd, self._tmp, self._layout
             if len(present) < len(self._plan):
-                fd, tmp = self._compacted(present)
-            layout = _Layout(self, present)
+                fd, tmp, layout = self._compacted(present)
             header = layout.header([self._hashes[p.sample_key] for p in present])
             _pwrite_all(fd, header, 0, self.path)
             offsets = torch.tensor([0] + [p.tokens for p in present], dtype=torch.int64).cumsum(0)
@@ -231,8 +230,8 @@ class ShardWriter:
             self._fd = -1
         self._tmp.unlink(missing_ok=True)
 
-    def _compacted(self, present: list[_Planned]) -> tuple[int, Path]:
-        """A second temporary file holding only ``present``'s rows (the others failed)."""
+    def _compacted(self, present: list[_Planned]) -> tuple[int, Path, _Layout]:
+        """A second temporary file holding only ``present``'s rows (the others failed), and its layout."""
         full = self._layout
         index = {p.sample_key: i for i, p in enumerate(full.samples)}
         small = _Layout(self, present)
@@ -251,7 +250,7 @@ class ShardWriter:
             os.close(fd)
             tmp.unlink(missing_ok=True)
             raise
-        return fd, tmp
+        return fd, tmp, small
 
 
 class _Layout:
