@@ -31,7 +31,7 @@ from patches.dumps import DumpReader, default_aux_layer_ids
 from tasks.dataset_version import read_model_facts
 from tasks.chat_template import ChatTemplate, Conversation
 from tasks.samples import PreparedSample
-from tasks.retrieval import ExpectedDump, InFlightLimit, RetrievalSettings, extract_samples
+from tasks.retrieval import ExpectedDump, InFlightLimit, RetrievalSettings, extract_samples, keep_samples
 from tests.ground_truth import load_reference_model, reference_hidden_states
 
 RID_PREFIX = "eagle3-"
@@ -63,8 +63,9 @@ def run_core(server, samples, layer_ids, hidden, in_flight) -> list:
     settings = RetrievalSettings(url=server.url, rid_prefix=RID_PREFIX,
                                  expected=ExpectedDump(tuple(layer_ids), hidden, "float32"))
     written = []  # list.append is thread-safe; a benchmark of this size fits in memory
-    failed = extract_samples(settings, DumpReader(server.config.dump_dir), samples, InFlightLimit(in_flight, 1 << 40),
-                             written.append)
+    reader = DumpReader(server.config.dump_dir)
+    failed = extract_samples(settings, reader, samples, InFlightLimit(in_flight, 1 << 40),
+                             keep_samples(settings.expected, reader, written.append))
     if failed:
         raise RuntimeError(f"{len(failed)} samples failed, first: {failed[0]}")
     order = {s.sample_key: i for i, s in enumerate(samples)}

@@ -34,7 +34,7 @@ from transformers import AutoTokenizer
 from bench.benchmark import RID_PREFIX, make_samples
 from patches.dumps import DumpIncomplete, DumpReader, default_aux_layer_ids
 from tasks.dataset_version import read_model_facts
-from tasks.retrieval import ExpectedDump, InFlightLimit, RetrievalSettings, extract_samples
+from tasks.retrieval import ExpectedDump, InFlightLimit, RetrievalSettings, extract_samples, keep_samples
 from tests.ground_truth import all_hidden_states, final_norm_input, load_reference_model
 
 
@@ -92,8 +92,9 @@ def check_concurrent(args, tokenizer, model, layer_ids, facts) -> dict:
     threads = background_traffic(args.url, stop, counts)
     t0 = time.monotonic()
     written = []  # list.append is thread-safe; a check of this size fits in memory
-    failed = extract_samples(settings, DumpReader(args.dump_dir), samples, InFlightLimit(args.in_flight, 2 << 30),
-                             written.append)
+    reader = DumpReader(args.dump_dir)
+    failed = extract_samples(settings, reader, samples, InFlightLimit(args.in_flight, 2 << 30),
+                             keep_samples(settings.expected, reader, written.append))
     wall = time.monotonic() - t0
     stop.set()
     for t in threads:

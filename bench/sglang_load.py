@@ -33,6 +33,7 @@ import time
 import uuid
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from pathlib import Path
 
 import requests
@@ -40,9 +41,9 @@ import torch
 
 from patches.dumps import DumpReader, default_aux_layer_ids
 from tasks.dataset_version import ModelFacts, read_model_facts
+from tasks.readers import ReaderPool
 from tasks.retrieval import (ExpectedDump, InFlightLimit, RetrievalSettings, StageTimes, extract_batch,
-                             extract_with_retries,
-                             send_generate)
+                             extract_with_retries, into_shard, send_generate)
 from tasks.samples import PreparedSample
 
 RID_PREFIX = "eagle3-"
@@ -101,6 +102,16 @@ def run_prefill(args, facts, samples) -> dict:
     return {"wall_s": time.monotonic() - t0, "written": len(samples), "cached_tokens": sum(cached)}
 
 
+def reader_pool(args):
+    """``--reader-processes`` processes, started (and their imports done) before the clock runs;
+    0: the request threads read."""
+    if not args.reader_processes:
+        return nullcontext()
+    readers = ReaderPool(args.reader_processes)
+    readers.warm_up()
+    return readers
+
+
 def run_consume(args, facts, samples) -> dict:
     settings, reader = settings_for(args, facts), DumpReader(args.dump_dir)
     limit = InFlightLimit(args.in_flight, args.max_dump_bytes_in_flight)
@@ -109,13 +120,15 @@ def run_consume(args, facts, samples) -> dict:
 
     times = StageTimes()
 
-    def consume(sample: PreparedSample) -> bool:
-        return extract_with_retries(settings, reader, sample, session, limit, write=lambda verified: None,
-                                    times=times) is None
+    with reader_pool(args) as readers:
+        read = into_shard(settings.expected, reader, None, readers)
 
-    t0 = time.monotonic()
-    with session, ThreadPoolExecutor(args.in_flight) as pool:
-        ok = list(pool.map(consume, samples))
+        def consume(sample: PreparedSample) -> bool:
+            return extract_with_retries(settings, reader, sample, session, limit, read, times=times) is None
+
+        t0 = time.monotonic()
+        with session, ThreadPoolExecutor(args.in_flight) as pool:
+            ok = list(pool.map(consume, samples))
     return {"wall_s": time.monotonic() - t0, "written": sum(ok), "failed": len(ok) - sum(ok),
             "stage_s": times.seconds}
 
@@ -127,14 +140,16 @@ def run_extract(args, facts, samples) -> dict:
     batches = [samples[i:i + args.batch_size] for i in range(0, len(samples), args.batch_size)]
     times = StageTimes()
 
-    def batch(index: int) -> tuple[int, int, Path | None]:
-        path = args.shards / f"{args.label}-{index:04d}.safetensors"
-        shard, failed = extract_batch(settings, reader, batches[index], limit, path, priority=index, times=times)
-        return (shard.samples if shard else 0), len(failed), path if shard else None
+    with reader_pool(args) as readers:
+        def batch(index: int) -> tuple[int, int, Path | None]:
+            path = args.shards / f"{args.label}-{index:04d}.safetensors"
+            shard, failed = extract_batch(settings, reader, batches[index], limit, path, priority=index, times=times,
+                                          readers=readers)
+            return (shard.samples if shard else 0), len(failed), path if shard else None
 
-    t0 = time.monotonic()
-    with ThreadPoolExecutor(args.concurrent_batches) as pool:
-        results = list(pool.map(batch, range(len(batches))))
+        t0 = time.monotonic()
+        with ThreadPoolExecutor(args.concurrent_batches) as pool:
+            results = list(pool.map(batch, range(len(batches))))
     wall = time.monotonic() - t0
     check = check_shards(args, [p for _, _, p in results if p is not None])
     return {"wall_s": wall, "written": sum(w for w, _, _ in results), "failed": sum(f for _, f, _ in results),
@@ -203,15 +218,15 @@ def check_shards(args, shards: list[Path]) -> dict:
 def report(path: Path) -> str:
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     base = next((r["tokens_per_s"] for r in rows if r["phase"] == "prefill"), None)
-    lines = ["| run | phase | in flight | samples | written | tokens | tokens/s | vs unpatched | "
+    lines = ["| run | phase | in flight | reader processes | samples | written | tokens | tokens/s | vs unpatched | "
              "s a sample: server / dump wait / read+verify / shard write | failed attempts (by class) | "
-             "checked (fp32) | wrong |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "checked (fp32) | wrong |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         rel = f"{r['tokens_per_s'] / base:.0%}" if base else "-"
         attempts = ", ".join(f"{k} {v}" for k, v in r.get("failed_attempts", {}).items()) or "0"
         check = f"{r['checked']} ({r['fp32_checked']})" if "checked" in r else "-"
         stages = " / ".join(f"{v / max(r['written'], 1):.3f}" for v in r["stage_s"].values()) if "stage_s" in r else "-"
-        lines.append(f"| {r['label']} | {r['phase']} | {r.get('in_flight', '-')} | {r['samples']} | {r['written']} | "
+        lines.append(f"| {r['label']} | {r['phase']} | {r.get('in_flight', '-')} | {r.get('reader_processes', 0)} | {r['samples']} | {r['written']} | "
                      f"{r['tokens']:,} | {r['tokens_per_s']:,.0f} | {rel} | {stages} | {attempts} | {check} | "
                      f"{r.get('wrong', '-')} |")
     return "\n".join(lines)
@@ -249,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--max-dump-bytes-in-flight", type=int, default=3 << 30)
         p.add_argument("--batch-size", type=int, default=100)
         p.add_argument("--concurrent-batches", type=int, default=4)
+        p.add_argument("--reader-processes", type=int, default=8, help="0: the request threads read the dumps")
         p.add_argument("--fp32-every", type=int, default=4, help="of the checked samples")
         p.add_argument("--check-every", type=int, default=1, help="check every n-th sample of each shard")
         p.add_argument("--results", type=Path, required=True)
@@ -272,7 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     tokens = sum(len(s.input_ids) for s in samples)
     row = {"label": args.label, "phase": args.command, "samples": len(samples), "tokens": tokens,
            "tokens_per_s": tokens / result["wall_s"], **result, "failed_attempts": dict(errors.counts),
-           "failed_attempt_examples": errors.examples, "in_flight": args.in_flight, "server": server_info(args.url)}
+           "failed_attempt_examples": errors.examples, "in_flight": args.in_flight,
+           "reader_processes": args.reader_processes, "server": server_info(args.url)}
     with args.results.open("a") as f:
         f.write(json.dumps(row) + "\n")
     print(json.dumps({k: v for k, v in row.items() if k != "failed_attempt_examples"}))

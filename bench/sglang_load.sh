@@ -16,6 +16,8 @@ CONSUME=${CONSUME:-1}       # 0: no consume-only phase
 CHECK_EVERY=${CHECK_EVERY:-1}
 IN_FLIGHT=${IN_FLIGHT:-64}              # requests in flight (extract; consume unless CONSUME_IN_FLIGHT)
 CONSUME_IN_FLIGHT=${CONSUME_IN_FLIGHT:-$IN_FLIGHT}  # one consume phase per value
+READERS=${READERS:-8}                   # reader processes (0: the request threads read the dumps)
+CONSUME_READERS=${CONSUME_READERS:-$READERS}      # one consume phase per value (and per in-flight value)
 BYTES_IN_FLIGHT=${BYTES_IN_FLIGHT:-3221225472}     # client's dump bytes in flight, under the writer's budget
 PATCH_FLAGS=${PATCH_FLAGS:-}            # e.g. --dump-writer-threads 12 --dump-max-pending-bytes 12884901888
 mkdir -p "$RUN" "$DUMPS"
@@ -61,12 +63,14 @@ for run in $RUNS; do
     if start "patched-$run" python3 -m patches.launch --dump-dir "$DUMPS" $PATCH_FLAGS -- "${SERVER_FLAGS[@]}"; then
         if [ "$CONSUME" = 1 ] && [ "$run" = 1 ]; then
             for k in $CONSUME_IN_FLIGHT; do
-                phase consume --label "patched-$run" --seed 1 --in-flight "$k" "${COMMON[@]}"
+                for r in $CONSUME_READERS; do
+                    phase consume --label "patched-$run" --seed 1 --in-flight "$k" --reader-processes "$r" "${COMMON[@]}"
+                done
             done
         fi
         shards_var=SHARDS_$run
         phase extract --label "patched-$run" --seed $((run + 1)) --shards "${!shards_var:-$SHARDS}" \
-            --in-flight "$IN_FLIGHT" "${COMMON[@]}"
+            --in-flight "$IN_FLIGHT" --reader-processes "$READERS" "${COMMON[@]}"
         log "leftover dump files: $(ls "$DUMPS" | wc -l)"
     fi
     stop

@@ -33,7 +33,8 @@ from infra.server import ServerConfig, start_server
 from infra.tiny_model import build_tiny_model
 from patches.dumps import DumpReader
 from tasks.dataset_version import ModelFacts, read_model_facts
-from tasks.retrieval import ExpectedDump, InFlightLimit, RetrievalSettings, extract_batch, extract_samples
+from tasks.retrieval import (ExpectedDump, InFlightLimit, RetrievalSettings, extract_batch, extract_samples,
+                             keep_samples)
 from tasks.samples import PreparedSample
 from tasks.shards import write_shard
 
@@ -59,7 +60,7 @@ def client(args) -> None:
         shard, failed = extract_batch(settings, reader, samples, limit, args.shard)
     else:
         held = []
-        failed = extract_samples(settings, reader, samples, limit, held.append)
+        failed = extract_samples(settings, reader, samples, limit, keep_samples(settings.expected, reader, held.append))
         shard = write_shard(args.shard, held)
     print(json.dumps({"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                       "shard_mb": shard.bytes / 1e6, "failed": len(failed), "wall_s": time.monotonic() - t0}))

@@ -55,6 +55,7 @@ from tasks.exports import check_exports
 from tasks.chat_template import DEFAULT_ENABLE_THINKING, DEFAULT_TEMPLATE_DATE, TemplateVariables, template_hash
 from tasks.prompts import write_rejects
 from tasks.report import run_report
+from tasks.readers import ReaderPool
 from tasks.retrieval import ExpectedDump, InFlightLimit, RetrievalSettings, SampleError, SampleFailure, StageTimes
 from tasks.steps import (consolidate_step, extract_batch_step, node_batch_step, node_retry_sample_step, prepare_step,
                          retry_sample_step)
@@ -196,6 +197,11 @@ class ExtractParameters(BaseModel):
         2 << 30, title="Dump bytes in flight", ge=1 << 20, le=1 << 40,
         description="Hidden-state bytes of requests sent but not yet read back, over all batches; below the "
                     "server writer's budget, so a slow reader slows the server instead of losing dumps.")
+    reader_processes: int = Field(
+        2, title="Dump reader processes", ge=0, le=64,
+        description="Processes that read, verify and write the dumps into shards (on the node with shards on "
+                    "the node); 0: the request threads do it. A GPU node prefilling at full speed needs several: "
+                    "one reads ~1 GB/s. Each keeps a buffer of the largest sample it has read.")
     concurrent_batches: int = Field(2, title="Batch tasks at once", ge=1, le=64,
                                     description="Batch tasks running at the same time.")
     version_wait_s: float = Field(0.0, title="Wait for another run on the version (s)", ge=0, le=86400,
@@ -552,12 +558,15 @@ def extract_here(params: ExtractParameters, settings: RetrievalSettings, server:
     limit = InFlightLimit(params.max_in_flight, params.max_dump_bytes_in_flight)
     runner = ThreadPoolTaskRunner(max_workers=params.concurrent_batches)
     watch = ServerWatch(server, limit.stop, health_timeout_s=params.server.health_timeout_s)
-    with tqdm(total=len(todo), unit="sample", desc="extracting") as bar, runner, watch:
+    readers = ReaderPool(params.reader_processes) if params.reader_processes else None
+    with (tqdm(total=len(todo), unit="sample", desc="extracting") as bar, readers or contextlib.nullcontext(), runner,
+          watch):
         try:
             futures = [runner.submit(extract_batch_step, parameters=dict(
                 index=i, samples=quote(batch), settings=settings, dump_dir=dump_dir,
                 shard_path=vdir / "shards" / f"shard-{run_id}-{i:05d}.safetensors",
-                limit=limit, on_done=bar.update, store_dtype=params.store_dtype, times=stages))
+                limit=limit, on_done=bar.update, store_dtype=params.store_dtype, times=stages,
+                readers=readers))
                 for i, batch in enumerate(batches)]
             results = batch_results(futures, batches, on_batch=stages.batch_finished)
         except BaseException as exc:  # Ctrl-C: nothing more is sent; the runner waits only for requests in flight
@@ -748,7 +757,8 @@ def extract_on_node(params: ExtractParameters, node: SshNode, settings: Retrieva
         futures = [runner.submit(node_batch_step, parameters=dict(
             index=i, samples=quote(batch), settings=settings, node=node, dump_dir=dump_dir,
             shard_path=f"{node_vdir}/shards/shard-{run_id}-{i:05d}.safetensors", max_in_flight=params.max_in_flight,
-            max_dump_bytes_in_flight=params.max_dump_bytes_in_flight, store_dtype=params.store_dtype))
+            max_dump_bytes_in_flight=params.max_dump_bytes_in_flight, store_dtype=params.store_dtype,
+            reader_processes=params.reader_processes))
             for i, batch in enumerate(batches)]
         results = batch_results(futures, batches, on_batch=lambda n: (bar.update(n), stages.batch_finished(n)))
     for r in results:

@@ -56,16 +56,17 @@ standard library only.
 from __future__ import annotations
 
 import array
-import zlib
 import hashlib
 import json
 import logging
+import math
 import os
 import queue
 import re
 import threading
 import time
 import uuid
+import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,9 +74,7 @@ from typing import Sequence
 
 import numpy as np
 import torch
-from safetensors import SafetensorError, safe_open
-
-from patches.safetensors_stream import write_safetensors
+from patches.safetensors_stream import TensorEntry, read_header, read_into, write_safetensors
 
 log = logging.getLogger(__name__)
 
@@ -494,10 +493,37 @@ class PieceInfo:
     prompt_hash: str
     forward_mode: str
     meta: dict
+    #: where each tensor's bytes lie in the file (read from its header once)
+    tensors: dict[str, TensorEntry]
 
     @property
     def chunk_end(self) -> int:
         return self.chunk_start + self.chunk_len
+
+
+class ReadBuffer:
+    """Host memory reused from one assembled dump to the next, for one reader at a time.
+
+    A process that reads GB/s of dumps into fresh tensors faults every page in and unmaps it
+    again for each dump; with this it does so once. The tensors of an assembled dump are
+    views into it, valid until its next use.
+    """
+
+    _ALIGN = 64
+
+    def __init__(self):
+        self._storage = torch.empty(0, dtype=torch.uint8)
+
+    def tensors(self, specs: Sequence[tuple[torch.dtype, tuple[int, ...]]]) -> list[torch.Tensor]:
+        sizes = [-(-math.prod(shape) * dtype.itemsize // self._ALIGN) * self._ALIGN for dtype, shape in specs]
+        if sum(sizes) > self._storage.numel():
+            self._storage = torch.empty(sum(sizes), dtype=torch.uint8)
+        out, cursor = [], 0
+        for (dtype, shape), size in zip(specs, sizes):
+            nbytes = math.prod(shape) * dtype.itemsize
+            out.append(self._storage[cursor:cursor + nbytes].view(dtype).view(shape))
+            cursor += size
+        return out
 
 
 @dataclass(frozen=True)
@@ -547,11 +573,14 @@ class DumpReader:
         infos = []
         for path in self.piece_paths(rid):
             try:
-                with safe_open(str(path), framework="pt") as f:
-                    meta = f.metadata() or {}
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    meta, tensors = read_header(fd)
+                finally:
+                    os.close(fd)
                 info = PieceInfo(path, meta["rid"], int(meta["chunk_start"]), int(meta["chunk_len"]),
-                                 int(meta["prompt_len"]), meta["prompt_hash"], meta["forward_mode"], meta)
-            except (SafetensorError, OSError, KeyError, ValueError) as exc:
+                                 int(meta["prompt_len"]), meta["prompt_hash"], meta["forward_mode"], meta, tensors)
+            except (OSError, KeyError, ValueError) as exc:  # HeaderError is a ValueError
                 raise DumpCorrupt(rid, self.dump_dir, f"cannot read piece {path.name}: {exc}") from exc
             if meta.get("format") != DUMP_FORMAT or meta.get("version") != DUMP_VERSION:
                 raise DumpCorrupt(rid, self.dump_dir, f"piece {path.name} is format {meta.get('format')!r} "
@@ -581,11 +610,14 @@ class DumpReader:
             time.sleep(poll)
             poll = min(poll * 2, 0.02)
 
-    def assemble(self, rid: str, token_ids: Sequence[int], infos: list[PieceInfo] | None = None) -> AssembledDump:
+    def assemble(self, rid: str, token_ids: Sequence[int], infos: list[PieceInfo] | None = None,
+                 buffer: ReadBuffer | None = None) -> AssembledDump:
         """Verify that the rid's pieces cover ``token_ids`` exactly once and stitch them together.
 
         Pieces that start at or after the prompt's end (decode steps a careless hook wrote)
-        are not part of the prefill and are ignored.
+        are not part of the prefill and are ignored. Each piece's rows are read straight into
+        their place in the whole prompt's tensors (in ``buffer`` when given: then they are
+        valid until its next use), and verified there.
         """
         ids = torch.as_tensor(list(token_ids), dtype=torch.int64)
         total = int(ids.numel())
@@ -622,45 +654,51 @@ class DumpReader:
             cursor = p.chunk_end
         if cursor != total:
             raise DumpIncomplete(rid, self.dump_dir, f"pieces cover [0,{cursor}) of {total} tokens")
-        aux_parts, final_parts, prenorm_parts = [], [], []
-        for p in prefill:
-            tensors = self._load(rid, p)
-            got = tensors["input_ids"]
-            if not torch.equal(got, ids[p.chunk_start:p.chunk_end]):
-                raise DumpForeign(rid, self.dump_dir, f"piece {p.path.name} token ids differ from the request's "
-                                  f"at [{p.chunk_start},{p.chunk_end})")
-            aux_parts.append(tensors["aux_hidden_states"])
-            final_parts.append(tensors["final_hidden_states"])
-            prenorm_parts.append(tensors["prenorm_hidden_states"])
-        # one piece (a prompt within the chunk size) needs no copy
-        aux, final, prenorm = ((aux_parts[0], final_parts[0], prenorm_parts[0]) if len(prefill) == 1 else
-                               (torch.cat(aux_parts), torch.cat(final_parts), torch.cat(prenorm_parts)))
         meta = prefill[0].meta
         layer_ids = json.loads(meta["layer_ids"])
-        h = final.shape[1] if final.dim() == 2 else -1
-        if final.shape != (total, h) or prenorm.shape != (total, h) or aux.shape != (total, len(layer_ids) * h):
-            raise DumpCorrupt(rid, self.dump_dir, f"shapes aux {tuple(aux.shape)} final {tuple(final.shape)} pre-norm "
-                              f"{tuple(prenorm.shape)} do not fit {total} tokens x {len(layer_ids)} aux layers")
+        dtype, hidden = self._check_layout(rid, prefill, len(layer_ids))
+        specs = [(torch.int64, (total,)), (dtype, (total, len(layer_ids) * hidden)), (dtype, (total, hidden)),
+                 (dtype, (total, hidden))]
+        whole = buffer.tensors(specs) if buffer is not None else [torch.empty(shape, dtype=d) for d, shape in specs]
+        for p in prefill:
+            rows = [t[p.chunk_start:p.chunk_end] for t in whole]
+            self._read_piece(rid, p, rows, ids[p.chunk_start:p.chunk_end], len(layer_ids))
+        _, aux, final, prenorm = whole
         return AssembledDump(rid, ids, aux, final, prenorm, layer_ids, meta["layer_convention"], meta["final_states"],
                              meta["dtype"], meta["model"], meta.get("instance", ""), tuple(p.path for p in infos))
 
-    def _load(self, rid: str, p: PieceInfo) -> dict[str, torch.Tensor]:
-        """The piece's tensors, their lengths and their checksum verified."""
+    def _check_layout(self, rid: str, prefill: list[PieceInfo], taps: int) -> tuple[torch.dtype, int]:
+        """(dtype, hidden size) the pieces' tensors share, their shapes fitting their tokens and ``taps``."""
+        first = prefill[0].tensors.get("final_hidden_states")
+        if first is None or len(first.shape) != 2:
+            raise DumpCorrupt(rid, self.dump_dir, f"piece {prefill[0].path.name} has no [tokens, hidden] final state")
+        dtype, hidden = first.dtype, first.shape[1]
+        for p in prefill:
+            n = p.chunk_len
+            want = {"input_ids": (torch.int64, (n,)), "aux_hidden_states": (dtype, (n, taps * hidden)),
+                    "final_hidden_states": (dtype, (n, hidden)), "prenorm_hidden_states": (dtype, (n, hidden))}
+            got = {name: (e.dtype, e.shape) for name, e in p.tensors.items() if name in want}
+            if got != want:
+                raise DumpCorrupt(rid, self.dump_dir, f"piece {p.path.name} holds {got}, expected {want} "
+                                  f"({n} tokens, {taps} aux layers, hidden size and dtype of the first piece)")
+        return dtype, hidden
+
+    def _read_piece(self, rid: str, p: PieceInfo, rows: list[torch.Tensor], want_ids: torch.Tensor,
+                    taps: int) -> None:
+        """The piece's tensors into ``rows`` (ids, aux, final, pre-norm), their checksum and ids verified."""
         try:
-            with safe_open(str(p.path), framework="pt") as f:
-                tensors = {name: f.get_tensor(name) for name in _PIECE_TENSORS}
-            n = tensors["input_ids"].numel()
+            fd = os.open(p.path, os.O_RDONLY)
+            try:
+                for name, out in zip(_PIECE_TENSORS, rows):
+                    read_into(fd, p.tensors[name], out)
+            finally:
+                os.close(fd)
             want = json.loads(p.meta["checksum"])
-            layer_ids = json.loads(p.meta["layer_ids"])
-        except (SafetensorError, OSError, KeyError, ValueError) as exc:
+        except (OSError, KeyError, ValueError) as exc:
             raise DumpCorrupt(rid, self.dump_dir, f"cannot read piece {p.path.name}: {exc}") from exc
-        if n != p.chunk_len or any(tensors[name].shape[0] != n for name in _PIECE_TENSORS):
-            raise DumpCorrupt(rid, self.dump_dir, f"piece {p.path.name} holds tensors of lengths other than its {p.chunk_len} tokens")
-        try:
-            got, finite = check_piece(*(tensors[name] for name in _PIECE_TENSORS), len(layer_ids))
-        except (RuntimeError, KeyError) as exc:  # shapes or dtype that do not fit the layer count
-            raise DumpCorrupt(rid, self.dump_dir, f"piece {p.path.name}: cannot checksum its tensors: {exc}") from exc
+        got, finite = check_piece(*rows, taps)
         if got != want:
+            layer_ids = json.loads(p.meta["layer_ids"])
             groups = ["token ids"] + [f"aux tap {i}" for i in layer_ids] + ["final state", "pre-norm final state"]
             width = len(groups)
             bad = groups  # a checksum of another length: every group is in doubt
@@ -672,7 +710,9 @@ class DumpReader:
         if not finite:
             raise DumpCorrupt(rid, self.dump_dir, f"piece {p.path.name} [{p.chunk_start},{p.chunk_end}): hidden states "
                               f"hold NaN or Inf (as the server computed them: the checksum matches)")
-        return tensors
+        if not torch.equal(rows[0], want_ids):  # after the checksum: a damaged id is corrupt, not foreign
+            raise DumpForeign(rid, self.dump_dir, f"piece {p.path.name} token ids differ from the request's "
+                              f"at [{p.chunk_start},{p.chunk_end})")
 
     def delete(self, rid: str) -> int:
         """Remove every piece and marker of the rid; returns how many files went."""

@@ -22,11 +22,13 @@ import fcntl
 import json
 import os
 import sys
+from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
 from typing import Sequence
 
 from patches.dumps import DumpReader
+from tasks.readers import ReaderPool
 from tasks.retrieval import ExpectedDump, InFlightLimit, RetrievalSettings, SampleFailure, StageTimes, extract_batch
 from tasks.samples import PreparedSample
 from tasks.shards import list_shards, read_shard_index
@@ -34,11 +36,12 @@ from tasks.shards import list_shards, read_shard_index
 
 def job_json(settings: RetrievalSettings, dump_dir: str, shard_path: str, max_in_flight: int,
              samples: Sequence[PreparedSample], max_dump_bytes_in_flight: int = 2 << 30,
-             store_dtype: str | None = None) -> dict:
+             store_dtype: str | None = None, reader_processes: int = 0) -> dict:
     """The job ``extract`` reads: everything it needs, as JSON (paths are the node's)."""
     return {"settings": {**asdict(settings), "headers": [list(h) for h in settings.headers]},
             "dump_dir": dump_dir, "shard_path": shard_path, "max_in_flight": max_in_flight,
             "max_dump_bytes_in_flight": max_dump_bytes_in_flight, "store_dtype": store_dtype,
+            "reader_processes": reader_processes,
             "samples": [asdict(s) for s in samples]}
 
 
@@ -60,8 +63,9 @@ def extract_job(job: dict) -> dict:
         if done.exists():
             return {**json.loads(done.read_text()), "reused": True}
         limit, times = InFlightLimit(job["max_in_flight"], job["max_dump_bytes_in_flight"]), StageTimes()
-        shard, failed = extract_batch(settings, DumpReader(job["dump_dir"], settings.expected.instance), samples, limit,
-                                      shard_path, job["store_dtype"], times=times)
+        with ReaderPool(job["reader_processes"]) if job["reader_processes"] else nullcontext() as readers:
+            shard, failed = extract_batch(settings, DumpReader(job["dump_dir"], settings.expected.instance), samples,
+                                          limit, shard_path, job["store_dtype"], times=times, readers=readers)
         result = {"shard": asdict(shard) if shard else None, "failures": [asdict(f) for f in failed],
                   "stage_s": times.seconds}
         tmp = done.with_name(f".{done.name}.tmp")

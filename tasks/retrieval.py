@@ -2,7 +2,10 @@
 
 The extraction core runs without Prefect: :func:`extract_batch` takes prepared samples
 and a server, writes the verified ones into a shard as they arrive and returns the
-shard's summary and the failures. Each attempt uses a
+shard's summary and the failures. Threads of this process send the requests and wait for
+the dumps; a :class:`tasks.readers.ReaderPool`'s processes read, verify and write them (a dump never
+travels between processes: a reader writes its rows into the shard's file itself, and
+only their digest comes back). Each attempt uses a
 fresh rid (sample key + attempt + nonce) and a unique ``extra_key`` so that neither the
 prefix cache nor an earlier attempt's leftovers can stand in for this request. A dump
 is accepted only if its pieces cover every prompt token exactly once with the
@@ -20,14 +23,17 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import requests
 import torch
 
-from patches.dumps import DumpError, DumpReader
+from patches.dumps import DumpError, DumpReader, PieceInfo, ReadBuffer
 from tasks.samples import PreparedSample, TrainingSample
-from tasks.shards import HIDDEN_DTYPES, ShardSummary, ShardWriter
+from tasks.shards import HIDDEN_DTYPES, ShardSlot, ShardSummary, ShardWriter
+
+if TYPE_CHECKING:
+    from tasks.readers import ReaderPool
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +48,9 @@ class SampleError(Exception):
     def __init__(self, sample_key: str, source_id: str, reason: str):
         self.sample_key, self.source_id, self.reason = sample_key, source_id, reason
         super().__init__(f"sample {source_id!r} (key {sample_key[:12]}): {reason}")
+
+    def __reduce__(self):  # raised in a reader process, re-raised in this one
+        return type(self), (self.sample_key, self.source_id, self.reason), {"attempt": self.attempt}
 
 
 class ServerRejected(SampleError):
@@ -72,6 +81,10 @@ class PermanentFailure(SampleError):
     """A failure already known not to be retryable, re-raised where it is reported."""
 
     retryable = False
+
+
+class ReaderDied(SampleError):
+    """The reader process reading the sample's dump died (killed for memory...); it was replaced."""
 
 
 @dataclass(frozen=True)
@@ -229,19 +242,17 @@ def send_generate(settings: RetrievalSettings, sample: PreparedSample, rid: str,
     return meta
 
 
-def fetch_dump(settings: RetrievalSettings, reader: DumpReader, sample: PreparedSample, rid: str,
-               times: StageTimes) -> TrainingSample:
-    """Wait for the rid's pieces, assemble and verify them."""
+def verified_sample(expected: ExpectedDump, reader: DumpReader, sample: PreparedSample, rid: str,
+                    infos: list[PieceInfo], buffer: ReadBuffer | None = None) -> TrainingSample:
+    """The rid's pieces assembled and verified, as the sample's training tensors (views into
+    ``buffer`` when given)."""
     try:
-        with times.stage("dump wait"):
-            infos = reader.wait(rid, len(sample.input_ids), timeout=settings.dump_wait_s)
-        with times.stage("read and verify"):
-            dump = reader.assemble(rid, sample.input_ids, infos)
+        dump = reader.assemble(rid, sample.input_ids, infos, buffer)
     except DumpError as exc:
         raise DumpUnusable(sample.sample_key, sample.source_id, f"{type(exc).__name__}: {exc}") from exc
-    exp = settings.expected
     got = (tuple(dump.layer_ids), dump.final_hidden_states.shape[1], dump.dtype, dump.model)
-    want = (exp.layer_ids, exp.hidden_size, exp.dtype, dump.model if exp.model is None else exp.model)
+    want = (expected.layer_ids, expected.hidden_size, expected.dtype,
+            dump.model if expected.model is None else expected.model)
     if got != want:
         raise ConfigMismatch(sample.sample_key, sample.source_id,
                              f"dump of rid {rid} has layers/hidden/dtype/model {got}, this run expects {want}")
@@ -251,21 +262,93 @@ def fetch_dump(settings: RetrievalSettings, reader: DumpReader, sample: Prepared
                           prenorm_hidden_states=dump.prenorm_hidden_states)
 
 
-def extract_one(settings: RetrievalSettings, reader: DumpReader, sample: PreparedSample, attempt: int,
-                session: requests.Session, times: StageTimes | None = None) -> TrainingSample:
-    """One attempt: fresh rid, request, then the dump matched by that rid and the sample's ids.
+@dataclass(frozen=True)
+class DumpJob:
+    """One attempt's dump, for a reader: where it is, what it must be, where its rows go."""
+
+    dump_dir: str
+    instance: str | None
+    expected: ExpectedDump
+    rid: str
+    sample: PreparedSample
+    infos: tuple[PieceInfo, ...]
+    #: the sample's place in its shard; None: read and verified only (the load benchmark)
+    slot: ShardSlot | None
+
+
+_thread_buffer = threading.local()
+
+
+def read_dump(job: DumpJob) -> tuple[str | None, float, float]:
+    """Assemble and verify the dump, write its rows into the slot: (content hash, seconds reading
+    and verifying, seconds writing). Runs in a reader process (:mod:`tasks.readers`) or the
+    calling thread, with that thread's :class:`ReadBuffer`."""
+    if not hasattr(_thread_buffer, "buffer"):
+        _thread_buffer.buffer = ReadBuffer()
+    start = time.perf_counter()
+    extracted = verified_sample(job.expected, DumpReader(job.dump_dir, job.instance), job.sample, job.rid,
+                                list(job.infos), _thread_buffer.buffer)
+    read = time.perf_counter()
+    digest = job.slot.write(extracted) if job.slot is not None else None
+    return digest, read - start, time.perf_counter() - read
+
+
+#: what an attempt does with its dump once every piece is there: (sample, rid, pieces, times)
+Consume = Callable[[PreparedSample, str, list[PieceInfo], StageTimes], None]
+
+
+def keep_samples(expected: ExpectedDump, reader: DumpReader, write: Callable[[TrainingSample], None]) -> Consume:
+    """Each verified sample, in fresh memory, to ``write`` in the calling thread (checks and
+    benchmarks that look at the tensors themselves)."""
+    def consume(sample: PreparedSample, rid: str, infos: list[PieceInfo], times: StageTimes) -> None:
+        with times.stage("read and verify"):
+            extracted = verified_sample(expected, reader, sample, rid, infos)
+        with times.stage("shard write"):
+            write(extracted)
+    return consume
+
+
+def into_shard(expected: ExpectedDump, reader: DumpReader, shard: ShardWriter | None,
+               readers: ReaderPool | None) -> Consume:
+    """Each dump read, verified and written into ``shard`` by ``readers`` (None: the calling
+    thread); without a shard, read and verified only."""
+    run = readers.run if readers is not None else read_dump
+
+    def consume(sample: PreparedSample, rid: str, infos: list[PieceInfo], times: StageTimes) -> None:
+        slot = shard.claim(sample.sample_key) if shard is not None else None
+        job = DumpJob(str(reader.dump_dir), reader.instance, expected, rid, sample, tuple(infos), slot)
+        try:
+            digest, read_s, write_s = run(job)
+        except BaseException:
+            if shard is not None:
+                shard.release(sample.sample_key)
+            raise
+        if shard is not None:
+            shard.filled(sample.sample_key, digest)
+        times.add({"read and verify": read_s, "shard write": write_s})
+    return consume
+
+
+def attempt_dump(settings: RetrievalSettings, reader: DumpReader, sample: PreparedSample, attempt: int,
+                 session: requests.Session, times: StageTimes, consume: Callable[[str, list[PieceInfo]], object]):
+    """One attempt: fresh rid, request, wait for that rid's pieces, ``consume(rid, pieces)``
+    (which matches them with the sample's ids); returns what it returns.
 
     The rid's files are deleted however the attempt ends, pieces of a failed request included.
     """
     rid = new_rid(settings.rid_prefix, sample.sample_key, attempt)
-    times = times or StageTimes()
     try:
         with times.stage("server"):
             meta = send_generate(settings, sample, rid, session)
         if meta.get("prompt_tokens", len(sample.input_ids)) != len(sample.input_ids):
             raise DumpUnusable(sample.sample_key, sample.source_id,
                                f"server counted {meta.get('prompt_tokens')} prompt tokens, sent {len(sample.input_ids)}")
-        return fetch_dump(settings, reader, sample, rid, times)
+        try:
+            with times.stage("dump wait"):
+                infos = reader.wait(rid, len(sample.input_ids), timeout=settings.dump_wait_s)
+        except DumpError as exc:
+            raise DumpUnusable(sample.sample_key, sample.source_id, f"{type(exc).__name__}: {exc}") from exc
+        return consume(rid, infos)
     except SampleError as exc:
         exc.attempt = attempt
         raise
@@ -273,11 +356,22 @@ def extract_one(settings: RetrievalSettings, reader: DumpReader, sample: Prepare
         reader.delete(rid)
 
 
+def extract_one(settings: RetrievalSettings, reader: DumpReader, sample: PreparedSample, attempt: int,
+                session: requests.Session, times: StageTimes | None = None) -> TrainingSample:
+    """One attempt (:func:`attempt_dump`), its sample verified in this thread, in fresh memory."""
+    times = times or StageTimes()
+
+    def verify(rid: str, infos: list[PieceInfo]) -> TrainingSample:
+        with times.stage("read and verify"):
+            return verified_sample(settings.expected, reader, sample, rid, infos)
+    return attempt_dump(settings, reader, sample, attempt, session, times, verify)
+
+
 def extract_with_retries(settings: RetrievalSettings, reader: DumpReader, sample: PreparedSample,
-                         session: requests.Session, limit: InFlightLimit, write: Callable[[TrainingSample], None],
+                         session: requests.Session, limit: InFlightLimit, consume: Consume,
                          priority: int = 0, times: StageTimes | None = None) -> SampleFailure | None:
     """Up to ``settings.attempts`` attempts with exponential backoff; permanent errors stop at once.
-    The extracted sample goes to ``write``; None means it was written.
+    The dump goes to ``consume`` (:func:`into_shard`, :func:`keep_samples`); None means it did.
 
     Each attempt holds its place in ``limit`` until its sample is written (so the bytes a slow
     writer holds count too); the backoff between attempts does not.
@@ -288,9 +382,8 @@ def extract_with_retries(settings: RetrievalSettings, reader: DumpReader, sample
     for i in range(settings.attempts):
         try:
             with limit.hold(nbytes, priority):
-                extracted = extract_one(settings, reader, sample, i + 1, session, times)
-                with times.stage("shard write"):
-                    write(extracted)
+                attempt_dump(settings, reader, sample, i + 1, session, times,
+                             lambda rid, infos: consume(sample, rid, infos, times))
                 return None
         except ServerGone as gone:
             return SampleFailure(sample.sample_key, sample.source_id, f"not sent: {gone}", "ServerUnavailable",
@@ -310,19 +403,18 @@ def extract_with_retries(settings: RetrievalSettings, reader: DumpReader, sample
 
 
 def extract_samples(settings: RetrievalSettings, reader: DumpReader, samples: Sequence[PreparedSample],
-                    limit: InFlightLimit, write: Callable[[TrainingSample], None],
+                    limit: InFlightLimit, consume: Consume,
                     on_done: Callable[[], None] | None = None, priority: int = 0,
                     times: StageTimes | None = None) -> list[SampleFailure]:
     """Extract a batch under ``limit`` (which other batches to the same server may share;
-    lower ``priority`` goes first). Each sample goes to ``write`` as soon as it is verified
-    (from several threads: a :class:`tasks.shards.ShardWriter`'s ``add``), so no batch is
-    held in memory. Returns the failures, in input order."""
+    lower ``priority`` goes first). Each dump goes to ``consume`` as soon as it is there (from
+    several threads), so no batch is held in memory. Returns the failures, in input order."""
     session = requests.Session()
     adapter = requests.adapters.HTTPAdapter(pool_maxsize=limit.max_requests)
     session.mount("http://", adapter)
 
     def run(sample: PreparedSample) -> SampleFailure | None:
-        result = extract_with_retries(settings, reader, sample, session, limit, write, priority, times)
+        result = extract_with_retries(settings, reader, sample, session, limit, consume, priority, times)
         if on_done is not None:
             on_done()
         return result
@@ -334,12 +426,13 @@ def extract_samples(settings: RetrievalSettings, reader: DumpReader, samples: Se
 def extract_batch(settings: RetrievalSettings, reader: DumpReader, samples: Sequence[PreparedSample],
                   limit: InFlightLimit, shard_path, store_dtype: str | None = None,
                   on_done: Callable[[], None] | None = None, priority: int = 0, times: StageTimes | None = None,
-                  ) -> tuple[ShardSummary | None, list[SampleFailure]]:
-    """A batch extracted straight into its shard (:class:`tasks.shards.ShardWriter`): the shard's
-    summary (None when every sample failed) and the failures. A shard that cannot be written
-    (a full disk) raises, naming it, and leaves nothing behind."""
+                  readers: ReaderPool | None = None) -> tuple[ShardSummary | None, list[SampleFailure]]:
+    """A batch extracted straight into its shard (:class:`tasks.shards.ShardWriter`) by ``readers``
+    (None: this process's threads): the shard's summary (None when every sample failed) and the
+    failures. A shard that cannot be written (a full disk) raises, naming it, and leaves nothing behind."""
     exp = settings.expected
     with ShardWriter(shard_path, samples, HIDDEN_DTYPES[exp.dtype], exp.hidden_size, len(exp.layer_ids),
                      store_dtype) as shard:
-        failed = extract_samples(settings, reader, samples, limit, shard.add, on_done, priority, times)
+        failed = extract_samples(settings, reader, samples, limit, into_shard(exp, reader, shard, readers),
+                                 on_done, priority, times)
         return shard.close(), failed

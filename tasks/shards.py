@@ -79,6 +79,9 @@ class InvalidSample(TrainingSetError):
         self.sample_key, self.path, self.reason = sample_key, str(path), reason
         super().__init__(f"sample {sample_key!r} for shard {path}: {reason}")
 
+    def __reduce__(self):  # raised in a reader process, re-raised in this one
+        return type(self), (self.sample_key, self.path, self.reason)
+
 
 class ShardWriteFailed(OSError):
     """A shard could not be written (a full disk...): the message names its path."""
@@ -178,22 +181,35 @@ class ShardWriter:
 
     def add(self, sample: TrainingSample) -> None:
         """Write one planned sample's rows in place (thread-safe; any order)."""
-        index_planned = self._plan.get(sample.sample_key)
+        slot = self.claim(sample.sample_key)
+        try:
+            digest = slot.write(sample)
+        except BaseException:
+            self.release(sample.sample_key)
+            raise
+        self.filled(sample.sample_key, digest)
+
+    def claim(self, sample_key: str) -> "ShardSlot":
+        """The place of a planned sample's rows, for one writer (this process or another):
+        ``filled`` with the digest ``ShardSlot.write`` returns, or ``release``d when it failed."""
+        index_planned = self._plan.get(sample_key)
         if index_planned is None:
-            raise InvalidSample(sample.sample_key, self.path, "was not planned for this shard")
+            raise InvalidSample(sample_key, self.path, "was not planned for this shard")
         index, planned = index_planned
-        _check_sample(self.path, sample, planned, self.dtype, self.hidden, self.hidden * self.num_taps)
-        stored = _stored_tensors(sample, self.store_dtype, self.num_taps)
-        parts = (sample.input_ids, sample.loss_mask, *stored)
-        digest = content_hash(*parts)
         with self._lock:
-            if sample.sample_key in self._hashes:
-                raise InvalidSample(sample.sample_key, self.path, "added twice")
-            self._hashes[sample.sample_key] = ""  # claimed; its rows are being written
-        for (position, _), part in zip(self._layout.sample_ranges(index), parts):
-            _pwrite_all(self._fd, byte_view(part), position, self.path)
+            if sample_key in self._hashes:
+                raise InvalidSample(sample_key, self.path, "added twice")
+            self._hashes[sample_key] = ""  # claimed; its rows are being written
+        return ShardSlot(str(self.path), str(self._tmp), tuple(self._layout.sample_ranges(index)), planned,
+                         _dtype_name(self.dtype), self.hidden, self.num_taps, self.store_dtype)
+
+    def filled(self, sample_key: str, digest: str) -> None:
         with self._lock:
-            self._hashes[sample.sample_key] = digest
+            self._hashes[sample_key] = digest
+
+    def release(self, sample_key: str) -> None:
+        with self._lock:
+            self._hashes.pop(sample_key, None)
 
     def close(self) -> ShardSummary | None:
         """Header, compaction if samples are missing, fsync, rename into place."""
@@ -251,6 +267,40 @@ class ShardWriter:
             tmp.unlink(missing_ok=True)
             raise
         return fd, tmp, small
+
+
+@dataclass(frozen=True)
+class ShardSlot:
+    """Where one planned sample's rows go in a shard being written: plain data, so that a reader
+    process writes them (``os.pwrite`` into the shard's temporary file) and only the digest
+    travels back."""
+
+    shard: str
+    tmp: str
+    #: (file offset, bytes) per per-token column, in column order
+    ranges: tuple[tuple[int, int], ...]
+    planned: _Planned
+    dtype: str
+    hidden: int
+    num_taps: int
+    store_dtype: str | None
+
+    def write(self, sample: TrainingSample) -> str:
+        """Check the sample against the plan, write its rows; returns its content hash."""
+        shard = Path(self.shard)
+        _check_sample(shard, sample, self.planned, HIDDEN_DTYPES[self.dtype], self.hidden, self.hidden * self.num_taps)
+        parts = (sample.input_ids, sample.loss_mask, *_stored_tensors(sample, self.store_dtype, self.num_taps))
+        digest = content_hash(*parts)
+        try:
+            fd = os.open(self.tmp, os.O_WRONLY)
+        except OSError as exc:
+            raise ShardWriteFailed(exc.errno, f"cannot write shard {shard}: {exc.strerror} (opening {self.tmp})") from exc
+        try:
+            for (position, _), part in zip(self.ranges, parts):
+                _pwrite_all(fd, byte_view(part), position, shard)
+        finally:
+            os.close(fd)
+        return digest
 
 
 class _Layout:

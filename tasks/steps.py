@@ -20,6 +20,7 @@ from tasks.consolidation import ConsolidationSummary, consolidate
 from tasks.chat_template import TemplateVariables
 from tasks.prompts import PreparedPrompts, prepare_prompts
 from tasks.node_batch import failures_from_json, job_json
+from tasks.readers import ReaderPool
 from tasks.retrieval import (ConfigMismatch, InFlightLimit, PermanentFailure, RetrievalSettings, SampleError,
                              SampleFailure, StageTimes, extract_batch, extract_one)
 from tasks.samples import PreparedSample
@@ -49,10 +50,10 @@ def prepare_step(prompts: Path, tokenizer, max_length: int, on_overlong: str,
 def extract_batch_step(index: int, samples: list[PreparedSample], settings: RetrievalSettings, dump_dir: Path,
                        shard_path: Path, limit: InFlightLimit,
                        on_done: Callable[[], None] | None = None, store_dtype: str | None = None,
-                       times: StageTimes | None = None) -> BatchResult:
+                       times: StageTimes | None = None, readers: ReaderPool | None = None) -> BatchResult:
     """Extract one batch into its shard. A configuration mismatch fails the batch (and the run)."""
     shard, failed = extract_batch(settings, DumpReader(dump_dir, settings.expected.instance), samples, limit,
-                                  shard_path, store_dtype, on_done, priority=index, times=times)
+                                  shard_path, store_dtype, on_done, priority=index, times=times, readers=readers)
     mismatch = next((f for f in failed if f.error == ConfigMismatch.__name__), None)
     if mismatch is not None:
         raise ConfigMismatch(mismatch.sample_key, mismatch.source_id, mismatch.reason)
@@ -92,12 +93,13 @@ def consolidate_step(version_dir: Path, info: DatasetInfo, keep_keys: set[str], 
 @task(name="extract-batch-on-node", task_run_name="batch-{index:04d}", cache_policy=NO_CACHE)
 def node_batch_step(index: int, samples: list[PreparedSample], settings: RetrievalSettings, node, dump_dir: str,
                     shard_path: str, max_in_flight: int, max_dump_bytes_in_flight: int,
-                    store_dtype: str | None = None) -> BatchResult:
+                    store_dtype: str | None = None, reader_processes: int = 0) -> BatchResult:
     """Run ``tasks.node_batch extract`` on the node: the shard stays there, its summary comes back.
 
     Safe to run again after a dropped connection (the node side keeps each batch's result).
     """
-    job = job_json(settings, dump_dir, shard_path, max_in_flight, samples, max_dump_bytes_in_flight, store_dtype)
+    job = job_json(settings, dump_dir, shard_path, max_in_flight, samples, max_dump_bytes_in_flight, store_dtype,
+                   reader_processes)
     result = node.python_module("tasks.node_batch", ["extract"], stdin=json.dumps(job).encode())
     failed = failures_from_json(result)
     mismatch = next((f for f in failed if f.error == ConfigMismatch.__name__), None)

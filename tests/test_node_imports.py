@@ -13,7 +13,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 NODE_MODULES = ["patches.dumps", "patches.sglang_hook", "patches.launch", "tasks.retrieval", "tasks.shards",
-                "tasks.node_batch", "infra.node_agent", "infra.dump_stream", "infra.local_server", "tasks.dataset_version"]
+                "tasks.node_batch", "tasks.readers", "infra.node_agent", "infra.dump_stream", "infra.local_server", "tasks.dataset_version"]
 ABSENT_ON_NODES = ["prefect", "polars", "paramiko", "jinja2", "pydantic"]
 
 
