@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Sequence
 
 from patches.dumps import DumpReader
-from tasks.readers import ReaderPool
+from tasks.readers import ReaderPool, reader_process_count
 from tasks.retrieval import ExpectedDump, InFlightLimit, RetrievalSettings, SampleFailure, StageTimes, extract_batch
 from tasks.samples import PreparedSample
 from tasks.shards import list_shards, read_shard_index
@@ -36,7 +36,7 @@ from tasks.shards import list_shards, read_shard_index
 
 def job_json(settings: RetrievalSettings, dump_dir: str, shard_path: str, max_in_flight: int,
              samples: Sequence[PreparedSample], max_dump_bytes_in_flight: int = 2 << 30,
-             store_dtype: str | None = None, reader_processes: int = 0) -> dict:
+             store_dtype: str | None = None, reader_processes: int | None = 0) -> dict:
     """The job ``extract`` reads: everything it needs, as JSON (paths are the node's)."""
     return {"settings": {**asdict(settings), "headers": [list(h) for h in settings.headers]},
             "dump_dir": dump_dir, "shard_path": shard_path, "max_in_flight": max_in_flight,
@@ -63,7 +63,8 @@ def extract_job(job: dict) -> dict:
         if done.exists():
             return {**json.loads(done.read_text()), "reused": True}
         limit, times = InFlightLimit(job["max_in_flight"], job["max_dump_bytes_in_flight"]), StageTimes()
-        with ReaderPool(job["reader_processes"]) if job["reader_processes"] else nullcontext() as readers:
+        processes = reader_process_count(job["reader_processes"])
+        with ReaderPool(processes) if processes else nullcontext() as readers:
             shard, failed = extract_batch(settings, DumpReader(job["dump_dir"], settings.expected.instance), samples,
                                           limit, shard_path, job["store_dtype"], times=times, readers=readers)
         result = {"shard": asdict(shard) if shard else None, "failures": [asdict(f) for f in failed],

@@ -15,6 +15,7 @@ closes, and they get a parent-death signal.
 
 from __future__ import annotations
 
+import os
 import pickle
 import queue
 import struct
@@ -46,6 +47,12 @@ def _receive(stream: BinaryIO) -> bytes:
     if len(data) != size:
         raise EOFError(f"the stream ended {size - len(data)} bytes into a message")
     return data
+
+
+def reader_process_count(wanted: int | None) -> int:
+    """Reader processes for a run: ``wanted``, or half this machine's cores when None (0: none,
+    the request threads read)."""
+    return max(1, (os.cpu_count() or 2) // 2) if wanted is None else wanted
 
 
 class ReaderPool:

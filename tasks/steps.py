@@ -93,7 +93,7 @@ def consolidate_step(version_dir: Path, info: DatasetInfo, keep_keys: set[str], 
 @task(name="extract-batch-on-node", task_run_name="batch-{index:04d}", cache_policy=NO_CACHE)
 def node_batch_step(index: int, samples: list[PreparedSample], settings: RetrievalSettings, node, dump_dir: str,
                     shard_path: str, max_in_flight: int, max_dump_bytes_in_flight: int,
-                    store_dtype: str | None = None, reader_processes: int = 0) -> BatchResult:
+                    store_dtype: str | None = None, reader_processes: int | None = 0) -> BatchResult:
     """Run ``tasks.node_batch extract`` on the node: the shard stays there, its summary comes back.
 
     Safe to run again after a dropped connection (the node side keeps each batch's result).
