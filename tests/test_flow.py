@@ -375,8 +375,9 @@ def test_float8_store_and_draft_vocabulary_from_the_command_line(prefect_api, ti
 
 def kill_the_server_after(out: Path, shards: int, kills: list[int], times: int = 1,
                           sig: signal.Signals = signal.SIGKILL) -> threading.Thread:
-    """Send ``sig`` to the flow's local server (found by its command line) once ``shards`` shards exist, ``times``
-    times (each restarted server once more shards have appeared); the pids signalled go to ``kills``."""
+    """Send ``sig`` to the flow's local server (found by its command line) once ``shards`` shards have been written
+    since it started, ``times`` times; the pids signalled go to ``kills``. (A count of all shards would kill a
+    restarted server during its start-up: the dead server's batch closes its shard with the samples it got.)"""
     def server_pids() -> list[int]:
         pids = []
         for proc in Path("/proc").iterdir():
@@ -390,12 +391,17 @@ def kill_the_server_after(out: Path, shards: int, kills: list[int], times: int =
 
     def run():
         deadline = time.monotonic() + 300
+        seen: dict[int, float] = {}  # server pid: when this thread first saw it (wall clock, as file times)
         while len(kills) < times and time.monotonic() < deadline:
-            written = len(list(out.glob("versions/*/shards/*.safetensors")))
+            for pid in server_pids():
+                seen.setdefault(pid, time.time())
             alive = [p for p in server_pids() if p not in kills]
-            if written >= shards * (len(kills) + 1) and alive:
-                os.kill(alive[0], sig)
-                kills.append(alive[0])
+            if alive:
+                since = seen[alive[0]]
+                written = [p for p in out.glob("versions/*/shards/*.safetensors") if p.stat().st_mtime > since]
+                if len(written) >= shards:
+                    os.kill(alive[0], sig)
+                    kills.append(alive[0])
             time.sleep(0.05)
 
     thread = threading.Thread(target=run, daemon=True)
