@@ -437,10 +437,11 @@ def read_shard_layout(path: Path | str) -> dict:
 
 def quantize_per_token(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
     """[T, groups*H] -> (float8_e4m3fn [T, groups*H], float32 scales [T, groups]); see the module docstring."""
-    rows = x.detach().float().reshape(x.shape[0], groups, -1)
+    rows = x.detach().reshape(x.shape[0], groups, -1)
     fp8_max = torch.finfo(torch.float8_e4m3fn).max
-    scales = (rows.abs().amax(-1) / fp8_max).clamp_min(torch.finfo(torch.float32).tiny)  # an all-zero row stays 0
-    return (rows / scales.unsqueeze(-1)).to(torch.float8_e4m3fn).reshape(x.shape), scales
+    # the max of |value| is exact in the input's dtype; the division promotes to float32 (no float32 copy first)
+    scales = (rows.abs().amax(-1).float() / fp8_max).clamp_min(torch.finfo(torch.float32).tiny)  # all-zero stays 0
+    return torch.div(rows, scales.unsqueeze(-1)).to(torch.float8_e4m3fn).reshape(x.shape), scales
 
 
 def dequantize_per_token(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
