@@ -24,6 +24,8 @@ import sys
 import threading
 from typing import BinaryIO
 
+import torch
+
 from infra.hosts import dependent_child
 from tasks.retrieval import DumpJob, ReaderDied, read_dump
 
@@ -131,6 +133,7 @@ def serve() -> None:
     """A reader's loop: a job in, its result (or its exception) out, until stdin ends."""
     jobs, answers = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # nothing but answers on the answer stream
+    torch.set_num_threads(1)  # the pool is the parallelism: N readers of N cores each would oversubscribe
     while True:
         try:
             job = pickle.loads(_receive(jobs))
