@@ -10,7 +10,10 @@ never travels between processes (the reader writes the rows into the shard's fil
 Not ``multiprocessing``: its pools import the caller's main module again in every worker (a
 flow started from a script without a main guard fails, a flow module costs seconds a
 worker), and its workers outlived a SIGKILLed flow. These end with the flow: their stdin
-closes, and they get a parent-death signal.
+closes (only the flow holds it open), and they finish the job in hand first. No parent-death
+signal: Linux sends it when the *thread* that started the process ends, and a reader that
+replaces a dead one is started by whichever extraction thread found it dead, which ends
+with its batch.
 """
 
 from __future__ import annotations
@@ -26,7 +29,6 @@ from typing import BinaryIO
 
 import torch
 
-from infra.hosts import dependent_child
 from tasks.retrieval import DumpJob, ReaderDied, read_dump
 
 _LENGTH = struct.Struct("<Q")
@@ -73,8 +75,9 @@ class ReaderPool:
             self._idle.put(self._start())
 
     def _start(self) -> subprocess.Popen:
+        # its own session: a terminal's Ctrl-C reaches the flow, which lets the reader finish its job
         reader = subprocess.Popen([sys.executable, "-m", "tasks.readers"], stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, **dependent_child())
+                                  stdout=subprocess.PIPE, start_new_session=True)
         with self._lock:
             self._readers.append(reader)
         return reader

@@ -5,8 +5,11 @@ reader that dies costs one retryable attempt, not the run."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
+import threading
+import time
 
 import pytest
 import torch
@@ -101,8 +104,18 @@ def test_a_reader_killed_for_memory_fails_its_sample_retryably_and_is_replaced(t
         read = into_shard(expected, reader, None, readers)
         rid = "eagle3-0-kill"
         infos = reader.wait(rid, len(samples[0].input_ids), timeout=10)
-        with pytest.raises(ReaderDied, match=rf"src-0.*reader process {pid} ended \(exit code -9\) while reading "
-                                             rf"rid {rid}") as caught:
-            read(samples[0], rid, infos, StageTimes())
-        assert caught.value.retryable
-        read(samples[0], rid, infos, StageTimes())  # its replacement reads it
+        failed: list[BaseException] = []
+
+        def a_batch_thread() -> None:  # an extraction thread; it ends with its batch
+            with pytest.raises(ReaderDied) as caught:
+                read(samples[0], rid, infos, StageTimes())
+            failed.append(caught.value)
+
+        thread = threading.Thread(target=a_batch_thread)
+        thread.start()
+        thread.join()
+        (died,) = failed
+        assert died.retryable and re.search(rf"src-0.*reader process {pid} ended \(exit code -9\) while reading "
+                                            rf"rid {rid}", str(died)), died
+        time.sleep(0.5)  # the replacement must outlive the thread that happened to start it
+        read(samples[0], rid, infos, StageTimes())
