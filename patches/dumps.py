@@ -662,7 +662,7 @@ class DumpReader:
         whole = buffer.tensors(specs) if buffer is not None else [torch.empty(shape, dtype=d) for d, shape in specs]
         for p in prefill:
             rows = [t[p.chunk_start:p.chunk_end] for t in whole]
-            self._read_piece(rid, p, rows, ids[p.chunk_start:p.chunk_end], len(layer_ids))
+            self._read_piece(rid, p, rows, ids[p.chunk_start:p.chunk_end], layer_ids)
         _, aux, final, prenorm = whole
         return AssembledDump(rid, ids, aux, final, prenorm, layer_ids, meta["layer_convention"], meta["final_states"],
                              meta["dtype"], meta["model"], meta.get("instance", ""), tuple(p.path for p in infos))
@@ -684,7 +684,7 @@ class DumpReader:
         return dtype, hidden
 
     def _read_piece(self, rid: str, p: PieceInfo, rows: list[torch.Tensor], want_ids: torch.Tensor,
-                    taps: int) -> None:
+                    layer_ids: list[int]) -> None:
         """The piece's tensors into ``rows`` (ids, aux, final, pre-norm), their checksum and ids verified."""
         try:
             fd = os.open(p.path, os.O_RDONLY)
@@ -696,9 +696,8 @@ class DumpReader:
             want = json.loads(p.meta["checksum"])
         except (OSError, KeyError, ValueError) as exc:
             raise DumpCorrupt(rid, self.dump_dir, f"cannot read piece {p.path.name}: {exc}") from exc
-        got, finite = check_piece(*rows, taps)
+        got, finite = check_piece(*rows, len(layer_ids))
         if got != want:
-            layer_ids = json.loads(p.meta["layer_ids"])
             groups = ["token ids"] + [f"aux tap {i}" for i in layer_ids] + ["final state", "pre-norm final state"]
             width = len(groups)
             bad = groups  # a checksum of another length: every group is in doubt

@@ -16,6 +16,7 @@ torch and the standard library only: it runs inside SGLang's server processes.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -93,7 +94,7 @@ def read_header(fd: int) -> tuple[dict[str, str], dict[str, TensorEntry]]:
     except (ValueError, KeyError, TypeError, IndexError) as exc:
         raise HeaderError(f"unreadable header: {type(exc).__name__}: {exc}") from exc
     for name, e in tensors.items():
-        if (e.end - e.start) != _numel(e.shape) * e.dtype.itemsize:
+        if (e.end - e.start) != math.prod(e.shape) * e.dtype.itemsize:
             raise HeaderError(f"tensor {name!r}: {e.end - e.start} bytes for shape {list(e.shape)} of {e.dtype}")
     return metadata, tensors
 
@@ -110,9 +111,3 @@ def read_into(fd: int, entry: TensorEntry, out: torch.Tensor) -> None:
             raise HeaderError(f"the file ends {view.nbytes - done} bytes before its tensor's end at {entry.end}")
         done += n
 
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

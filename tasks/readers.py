@@ -104,7 +104,7 @@ class ReaderPool:
             self._idle.put(self._start())
             raise ReaderDied(job.sample.sample_key, job.sample.source_id,
                              f"reader process {reader.pid} ended (exit code {code}) while reading rid {job.rid} "
-                             f"from {job.dump_dir}") from exc
+                             f"from {job.reader.dump_dir}") from exc
         self._idle.put(reader)
         ok, value = pickle.loads(answer)
         if not ok:

@@ -293,8 +293,7 @@ def verified_sample(expected: ExpectedDump, reader: DumpReader, sample: Prepared
 class DumpJob:
     """One attempt's dump, for a reader: where it is, what it must be, where its rows go."""
 
-    dump_dir: str
-    instance: str | None
+    reader: DumpReader
     expected: ExpectedDump
     rid: str
     sample: PreparedSample
@@ -313,8 +312,8 @@ def read_dump(job: DumpJob) -> tuple[str | None, float, float]:
     if not hasattr(_thread_buffer, "buffer"):
         _thread_buffer.buffer = ReadBuffer()
     start = time.perf_counter()
-    extracted = verified_sample(job.expected, DumpReader(job.dump_dir, job.instance), job.sample, job.rid,
-                                list(job.infos), _thread_buffer.buffer)
+    extracted = verified_sample(job.expected, job.reader, job.sample, job.rid, list(job.infos),
+                                _thread_buffer.buffer)
     read = time.perf_counter()
     digest = job.slot.write(extracted) if job.slot is not None else None
     return digest, read - start, time.perf_counter() - read
@@ -343,7 +342,7 @@ def into_shard(expected: ExpectedDump, reader: DumpReader, shard: ShardWriter | 
 
     def consume(sample: PreparedSample, rid: str, infos: list[PieceInfo], times: StageTimes) -> None:
         slot = shard.claim(sample.sample_key) if shard is not None else None
-        job = DumpJob(str(reader.dump_dir), reader.instance, expected, rid, sample, tuple(infos), slot)
+        job = DumpJob(reader, expected, rid, sample, tuple(infos), slot)
         try:
             digest, read_s, write_s = run(job)
         except BaseException:

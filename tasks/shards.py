@@ -201,7 +201,7 @@ class ShardWriter:
                 raise InvalidSample(sample_key, self.path, "added twice")
             self._hashes[sample_key] = ""  # claimed; its rows are being written
         return ShardSlot(str(self.path), str(self._tmp), tuple(self._layout.sample_ranges(index)), planned,
-                         _dtype_name(self.dtype), self.hidden, self.num_taps, self.store_dtype)
+                         self.dtype, self.hidden, self.num_taps, self.store_dtype)
 
     def filled(self, sample_key: str, digest: str) -> None:
         with self._lock:
@@ -280,7 +280,7 @@ class ShardSlot:
     #: (file offset, bytes) per per-token column, in column order
     ranges: tuple[tuple[int, int], ...]
     planned: _Planned
-    dtype: str
+    dtype: torch.dtype
     hidden: int
     num_taps: int
     store_dtype: str | None
@@ -288,7 +288,7 @@ class ShardSlot:
     def write(self, sample: TrainingSample) -> str:
         """Check the sample against the plan, write its rows; returns its content hash."""
         shard = Path(self.shard)
-        _check_sample(shard, sample, self.planned, HIDDEN_DTYPES[self.dtype], self.hidden, self.hidden * self.num_taps)
+        _check_sample(shard, sample, self.planned, self.dtype, self.hidden, self.hidden * self.num_taps)
         parts = (sample.input_ids, sample.loss_mask, *_stored_tensors(sample, self.store_dtype, self.num_taps))
         digest = content_hash(*parts)
         try:
