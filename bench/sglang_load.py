@@ -43,7 +43,7 @@ from patches.dumps import DumpReader, default_aux_layer_ids
 from tasks.dataset_version import ModelFacts, read_model_facts
 from tasks.readers import ReaderPool
 from tasks.retrieval import (ExpectedDump, InFlightLimit, RetrievalSettings, StageTimes, extract_batch,
-                             extract_with_retries, into_shard, send_generate)
+                             extract_with_retries, into_shard, send_generate, threads_for)
 from tasks.samples import PreparedSample
 
 RID_PREFIX = "eagle3-"
@@ -127,7 +127,7 @@ def run_consume(args, facts, samples) -> dict:
             return extract_with_retries(settings, reader, sample, session, limit, read, times=times) is None
 
         t0 = time.monotonic()
-        with session, ThreadPoolExecutor(args.in_flight) as pool:
+        with session, ThreadPoolExecutor(threads_for(limit)) as pool:
             ok = list(pool.map(consume, samples))
     return {"wall_s": time.monotonic() - t0, "written": sum(ok), "failed": len(ok) - sum(ok),
             "stage_s": times.seconds}
@@ -219,7 +219,7 @@ def report(path: Path) -> str:
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     base = next((r["tokens_per_s"] for r in rows if r["phase"] == "prefill"), None)
     lines = ["| run | phase | in flight | reader processes | samples | written | tokens | tokens/s | vs unpatched | "
-             "s a sample: server / dump wait / read+verify / shard write | failed attempts (by class) | "
+             "s a sample: server / dump wait / reader wait / read+verify / shard write | failed attempts (by class) | "
              "checked (fp32) | wrong |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         rel = f"{r['tokens_per_s'] / base:.0%}" if base else "-"

@@ -20,6 +20,7 @@ READERS=${READERS:-8}                   # reader processes (0: the request threa
 CONSUME_READERS=${CONSUME_READERS:-$READERS}      # one consume phase per value (and per in-flight value)
 BYTES_IN_FLIGHT=${BYTES_IN_FLIGHT:-3221225472}     # client's dump bytes in flight, under the writer's budget
 PATCH_FLAGS=${PATCH_FLAGS:-}            # e.g. --dump-writer-threads 12 --dump-max-pending-bytes 12884901888
+DUMP_READ=${DUMP_READ:-}                # reader counts for bench.dump_read first, with no server (e.g. "8 12 16")
 mkdir -p "$RUN" "$DUMPS"
 RESULTS=$RUN/results.jsonl
 log() { echo "[$(date +%T)] $*" | tee -a "$RUN/progress.log"; }
@@ -29,6 +30,12 @@ log "building the model"
 python3 -m bench.sglang_load build-model "$MODEL" > "$RUN/model.log" 2>&1 || { log "model build failed"; touch "$RUN/done"; exit 1; }
 export PYTHONPATH=$SITE HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+if [ -n "$DUMP_READ" ]; then
+    log "dump_read, reader processes $DUMP_READ"
+    # shellcheck disable=SC2086  # DUMP_READ is a list of counts
+    python3 -m bench.dump_read --samples 400 --reader-processes $DUMP_READ > "$RUN/dump_read.md" 2>&1 \
+        || log "dump_read reported a problem"
+fi
 SERVER_FLAGS=(--model-path "$MODEL" --port 30000 --attention-backend triton --sampling-backend pytorch
               --chunked-prefill-size 4096 --mem-fraction-static 0.6 --dtype bfloat16)
 COMMON=(--model-path "$MODEL" --dump-dir "$DUMPS" --samples "$SAMPLES" --results "$RESULTS"

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import struct
 import threading
@@ -292,12 +293,12 @@ class ShardSlot:
         parts = (sample.input_ids, sample.loss_mask, *_stored_tensors(sample, self.store_dtype, self.num_taps))
         digest = content_hash(*parts)
         try:
-            fd = os.open(self.tmp, os.O_WRONLY)
+            fd = os.open(self.tmp, os.O_RDWR)  # a shared mapping needs read access too
         except OSError as exc:
             raise ShardWriteFailed(exc.errno, f"cannot write shard {shard}: {exc.strerror} (opening {self.tmp})") from exc
         try:
             for (position, _), part in zip(self.ranges, parts):
-                _pwrite_all(fd, byte_view(part), position, shard)
+                _copy_into_file(fd, byte_view(part), position, shard)
         finally:
             os.close(fd)
         return digest
@@ -371,6 +372,24 @@ def _pwrite_all(fd: int, data, offset: int, path: Path) -> None:
         except OSError as exc:
             raise ShardWriteFailed(exc.errno, f"cannot write shard {path}: {exc.strerror}") from exc
         view, offset = view[n:], offset + n
+
+
+def _copy_into_file(fd: int, data, offset: int, path: Path) -> None:
+    """All of ``data`` at ``offset``, through a shared mapping of that range.
+
+    Not ``pwrite``: every write to a file takes its inode lock, so the readers writing one
+    shard queued behind each other (16 readers wrote slower than 12 on the H200). Stores into
+    a mapping of the file's pages, which ``posix_fallocate`` reserved, run in parallel.
+    """
+    view = memoryview(data).cast("B")
+    start = offset - offset % mmap.ALLOCATIONGRANULARITY
+    try:
+        mapping = mmap.mmap(fd, offset - start + len(view), offset=start)
+    except OSError as exc:
+        raise ShardWriteFailed(exc.errno, f"cannot write shard {path}: {exc.strerror} (mapping "
+                               f"{len(view)} bytes at {offset})") from exc
+    with mapping, memoryview(mapping) as window:
+        window[offset - start:] = view
 
 
 def _copy_range(src: int, src_offset: int, dst: int, dst_offset: int, length: int, path: Path) -> None:

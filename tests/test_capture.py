@@ -131,6 +131,46 @@ def test_in_flight_bytes_wait_for_room_instead_of_overfilling_the_writer():
     assert len(starts) == 3
 
 
+def test_a_place_goes_to_the_next_request_when_the_server_answers_but_the_bytes_stay_until_read():
+    """The server always has its full number of prompts while earlier dumps are read; the bytes
+    of dumps not yet read still hold the next requests back."""
+    import threading
+    import time
+
+    from tasks.retrieval import InFlightLimit
+
+    limit, events = InFlightLimit(max_requests=1, max_bytes=100), []
+    read_first, read_second = threading.Event(), threading.Event()
+
+    def request(name: str, reading: threading.Event | None):
+        with limit.hold(40) as place:
+            events.append(f"{name} sent")
+            place.answered()
+            if reading is not None:  # its dump is being read
+                reading.wait(5)
+            events.append(f"{name} read")
+
+    first = threading.Thread(target=request, args=("first", read_first))
+    first.start()
+    while "first sent" not in events:
+        time.sleep(0.01)
+    second = threading.Thread(target=request, args=("second", read_second))
+    second.start()
+    while "second sent" not in events:  # one request place, but the first has its answer
+        time.sleep(0.01)
+    third = threading.Thread(target=request, args=("third", None))  # 3 x 40 bytes > 100: waits
+    third.start()
+    time.sleep(0.3)
+    assert events == ["first sent", "second sent"]
+    read_first.set()
+    third.join(5)
+    assert events[2:] == ["first read", "third sent", "third read"]
+    read_second.set()
+    for t in (first, second):
+        t.join(5)
+    assert limit._requests == 0 and limit._bytes == 0
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_the_readers_fast_path_gives_the_gpus_integers(dtype):
     """The GPU computes row sums with torch; the CPU reader through numpy, block by block, with
