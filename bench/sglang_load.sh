@@ -21,6 +21,7 @@ CONSUME_READERS=${CONSUME_READERS:-$READERS}      # one consume phase per value 
 BYTES_IN_FLIGHT=${BYTES_IN_FLIGHT:-3221225472}     # client's dump bytes in flight, under the writer's budget
 PATCH_FLAGS=${PATCH_FLAGS:-}            # e.g. --dump-writer-threads 12 --dump-max-pending-bytes 12884901888
 DUMP_READ=${DUMP_READ:-}                # reader counts for bench.dump_read first, with no server (e.g. "8 12 16")
+PROFILE=${PROFILE:-0}   # 1: py-spy samples the scheduler process in each phase (py-spy==0.4.3 installed into $SITE, e.g. its wheel with part 2)
 mkdir -p "$RUN" "$DUMPS"
 RESULTS=$RUN/results.jsonl
 log() { echo "[$(date +%T)] $*" | tee -a "$RUN/progress.log"; }
@@ -58,9 +59,19 @@ stop() {
     kill -KILL -- "-$SERVER" 2> /dev/null
 }
 phase() { log "phase $*"; python3 -m bench.sglang_load "$@" >> "$RUN/phases.log" 2>&1 || log "phase $1 $3 reported a problem"; }
+profile() {  # profile NAME DELAY: 8 s of the scheduler's stacks (native frames too), from DELAY s into the phase
+            # about to start (past its set-up: samples made, readers started; run E's took ~10 s)
+    [ "$PROFILE" = 1 ] || return 0
+    local pid
+    pid=$(pgrep -f '^sglang::scheduler' | head -n 1)
+    [ -n "$pid" ] || { log "profile $1: no scheduler process"; return 0; }
+    (sleep "$2" && "$SITE/bin/py-spy" record --native --format raw --rate 200 --duration 8 --pid "$pid" \
+        --output "$RUN/profile-$1.txt" > "$RUN/profile-$1.log" 2>&1) &
+}
 
 if [ "$UNPATCHED" = 1 ]; then
     if start unpatched python3 -m sglang.launch_server "${SERVER_FLAGS[@]}"; then
+        profile unpatched 3
         phase prefill --label unpatched --seed 0 --in-flight 64 "${COMMON[@]}"
     fi
     stop
@@ -71,11 +82,13 @@ for run in $RUNS; do
         if [ "$CONSUME" = 1 ] && [ "$run" = 1 ]; then
             for k in $CONSUME_IN_FLIGHT; do
                 for r in $CONSUME_READERS; do
+                    profile "consume-$k-$r" 10
                     phase consume --label "patched-$run" --seed 1 --in-flight "$k" --reader-processes "$r" "${COMMON[@]}"
                 done
             done
         fi
         shards_var=SHARDS_$run
+        profile "extract-$run" 10
         phase extract --label "patched-$run" --seed $((run + 1)) --shards "${!shards_var:-$SHARDS}" \
             --in-flight "$IN_FLIGHT" --reader-processes "$READERS" "${COMMON[@]}"
         log "leftover dump files: $(ls "$DUMPS" | wc -l)"
