@@ -110,9 +110,8 @@ class InFlightLimit:
     """Requests, and dump bytes, in flight at most: one per server, shared by every batch using it.
 
     A request's place is the server's: it is freed (:meth:`Place.answered`) when the server
-    answers, so the server always has ``max_requests`` prompts to batch while earlier dumps
-    are still being read (holding it through the read kept ~7% of the places away from
-    the server on the H200). A request's dump occupies the server's writer queue (pinned
+    answers, so the server has ``max_requests`` prompts to batch while earlier dumps are
+    still being read. A request's dump occupies the server's writer queue (pinned
     host memory) and the dump folder from its prefill until this client has read and
     deleted it, so its bytes stay held until then. That keeps the writer under its budget
     when the host cannot keep up: the server gets fewer requests (it slows down) instead
@@ -177,7 +176,7 @@ class InFlightLimit:
             if ticket.granted:
                 self._release(1, ticket.nbytes)
             raise ServerGone(self.stopped)
-        place = Place(self, ticket.nbytes)
+        place = Place(self)
         try:
             yield place
         finally:
@@ -187,8 +186,8 @@ class InFlightLimit:
 class Place:
     """A granted request place of an :class:`InFlightLimit` (see :meth:`InFlightLimit.hold`)."""
 
-    def __init__(self, limit: InFlightLimit, nbytes: int):
-        self._limit, self._nbytes, self.freed = limit, nbytes, False
+    def __init__(self, limit: InFlightLimit):
+        self._limit, self.freed = limit, False
 
     def answered(self) -> None:
         """The server answered: its place goes to the next request; the dump's bytes stay held."""

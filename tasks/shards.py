@@ -382,6 +382,8 @@ def _copy_into_file(fd: int, data, offset: int, path: Path) -> None:
     a mapping of the file's pages, which ``posix_fallocate`` reserved, run in parallel.
     """
     view = memoryview(data).cast("B")
+    if not view:  # nothing to map (a zero-length mapping is an error)
+        return
     start = offset - offset % mmap.ALLOCATIONGRANULARITY
     try:
         mapping = mmap.mmap(fd, offset - start + len(view), offset=start)
