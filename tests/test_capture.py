@@ -135,40 +135,44 @@ def test_a_place_goes_to_the_next_request_when_the_server_answers_but_the_bytes_
     """The server always has its full number of prompts while earlier dumps are read; the bytes
     of dumps not yet read still hold the next requests back."""
     import threading
-    import time
 
     from tasks.retrieval import InFlightLimit
 
     limit, events = InFlightLimit(max_requests=1, max_bytes=100), []
-    read_first, read_second = threading.Event(), threading.Event()
+    sent = {name: threading.Event() for name in ("first", "second", "third", "whole budget")}
+    read = {name: threading.Event() for name in ("first", "second")}
 
-    def request(name: str, reading: threading.Event | None):
-        with limit.hold(40) as place:
+    def request(name: str, nbytes: int = 40):
+        with limit.hold(nbytes) as place:
             events.append(f"{name} sent")
+            sent[name].set()
             place.answered()
-            if reading is not None:  # its dump is being read
-                reading.wait(5)
+            if name in read:  # its dump is being read
+                read[name].wait(5)
             events.append(f"{name} read")
 
-    first = threading.Thread(target=request, args=("first", read_first))
-    first.start()
-    while "first sent" not in events:
-        time.sleep(0.01)
-    second = threading.Thread(target=request, args=("second", read_second))
-    second.start()
-    while "second sent" not in events:  # one request place, but the first has its answer
-        time.sleep(0.01)
-    third = threading.Thread(target=request, args=("third", None))  # 3 x 40 bytes > 100: waits
-    third.start()
-    time.sleep(0.3)
+    threads = [threading.Thread(target=request, args=("first",), daemon=True)]
+    threads[0].start()
+    assert sent["first"].wait(5)
+    threads.append(threading.Thread(target=request, args=("second",), daemon=True))
+    threads[1].start()
+    assert sent["second"].wait(5), "one request place, but the first has its answer: the second goes"
+    threads.append(threading.Thread(target=request, args=("third",), daemon=True))
+    threads[2].start()
+    assert not sent["third"].wait(0.3), "3 x 40 bytes > 100: the third waits for a dump to be read"
     assert events == ["first sent", "second sent"]
-    read_first.set()
-    third.join(5)
+    read["first"].set()
+    assert sent["third"].wait(5)
+    threads[2].join(5)
     assert events[2:] == ["first read", "third sent", "third read"]
-    read_second.set()
-    for t in (first, second):
+    read["second"].set()
+    threads[1].join(5)
+    # every place and byte came back: a request for the whole budget goes at once
+    threads.append(threading.Thread(target=request, args=("whole budget", 100), daemon=True))
+    threads[3].start()
+    assert sent["whole budget"].wait(5)
+    for t in threads:
         t.join(5)
-    assert limit._requests == 0 and limit._bytes == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
