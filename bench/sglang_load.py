@@ -13,7 +13,9 @@ patched one). Each phase sends its own random-token prompts (uniform lengths, a 
 ``extra_key`` each, ``max_new_tokens`` 1) with ``--in-flight`` at once, and appends one JSON
 line to ``--results``. Throughput is prompt tokens over the wall time from the first request
 to the last answer (``prefill``) or to the last dump consumed (``consume``) or shard written
-(``extract``).
+(``extract``). Over the same wall time, the CPU cores in use: the whole node, SGLang's
+scheduler process (its main thread, which launches the forwards, and its other threads,
+the dump writers among them) and this client (its reader processes included).
 
 The check compares each accepted sample with a transformers forward of its ids on the GPU,
 in bf16 (every sample) and in fp32 (every ``--fp32-every``-th): per tap the max abs error,
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import random
 import time
 import uuid
@@ -87,19 +90,61 @@ def server_info(url: str) -> dict:
             "disable_radix_cache": info.get("disable_radix_cache"), "dump_writer": info.get("dump_writer")}
 
 
+def _ticks(stat_line: str) -> int:
+    """utime + stime of a /proc .../stat line (fields 14 and 15; the name before them may hold spaces)."""
+    fields = stat_line.rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:  # the process or thread ended meanwhile
+        return None
+
+
+def cpu_snapshot() -> dict[str, int]:
+    """Cumulative CPU clock ticks of the node and of the processes a phase is about (see the module docstring)."""
+    with open("/proc/stat") as f:
+        node = [int(x) for x in f.readline().split()[1:]]
+    snap = {"node": node[0] + node[1] + node[2] + sum(node[5:8]),  # user nice system irq softirq steal
+            "scheduler_main": 0, "scheduler_other": 0, "client": _ticks(_read("/proc/self/stat"))}
+    me = str(os.getpid())
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        cmdline, stat = _read(f"/proc/{pid}/cmdline"), _read(f"/proc/{pid}/stat")
+        if cmdline is None or stat is None:
+            continue
+        if cmdline.startswith("sglang::scheduler"):
+            # the process's own line counts the time of threads that have ended too
+            main = _ticks(_read(f"/proc/{pid}/task/{pid}/stat") or stat)
+            snap["scheduler_main"] += main
+            snap["scheduler_other"] += _ticks(stat) - main
+        elif stat.rsplit(")", 1)[1].split()[1] == me:  # a child of this client: a reader process
+            snap["client"] += _ticks(stat)
+    return snap
+
+
+def cpu_cores(before: dict[str, int], wall_s: float) -> dict[str, float]:
+    """Cores in use on average since ``before`` (a :func:`cpu_snapshot`), over ``wall_s``."""
+    after, tick = cpu_snapshot(), os.sysconf("SC_CLK_TCK")
+    return {k: round((after[k] - before[k]) / tick / wall_s, 2) for k in before}
+
+
 def run_prefill(args, facts, samples) -> dict:
     settings = settings_for(args, facts)
     cached = []
 
     def send(sample: PreparedSample):
         with requests.Session() as session:
-            meta = send_generate(settings, sample, f"{RID_PREFIX}{uuid.uuid4().hex}", session)
+            meta = send_generate(settings, sample, f"{args.rid_prefix}{uuid.uuid4().hex}", session)
         cached.append(int(meta.get("cached_tokens", 0)))
 
-    t0 = time.monotonic()
+    t0, cpu = time.monotonic(), cpu_snapshot()
     with ThreadPoolExecutor(args.in_flight) as pool:
         list(pool.map(send, samples))
-    return {"wall_s": time.monotonic() - t0, "written": len(samples), "cached_tokens": sum(cached)}
+    wall = time.monotonic() - t0
+    return {"wall_s": wall, "cores": cpu_cores(cpu, wall), "written": len(samples), "cached_tokens": sum(cached)}
 
 
 def reader_pool(args):
@@ -126,11 +171,12 @@ def run_consume(args, facts, samples) -> dict:
         def consume(sample: PreparedSample) -> bool:
             return extract_with_retries(settings, reader, sample, session, limit, read, times=times) is None
 
-        t0 = time.monotonic()
+        t0, cpu = time.monotonic(), cpu_snapshot()
         with session, ThreadPoolExecutor(threads_for(limit)) as pool:
             ok = list(pool.map(consume, samples))
-    return {"wall_s": time.monotonic() - t0, "written": sum(ok), "failed": len(ok) - sum(ok),
-            "stage_s": times.seconds}
+        wall = time.monotonic() - t0
+        cores = cpu_cores(cpu, wall)
+    return {"wall_s": wall, "cores": cores, "written": sum(ok), "failed": len(ok) - sum(ok), "stage_s": times.seconds}
 
 
 def run_extract(args, facts, samples) -> dict:
@@ -147,13 +193,20 @@ def run_extract(args, facts, samples) -> dict:
                                           readers=readers)
             return (shard.samples if shard else 0), len(failed), path if shard else None
 
-        t0 = time.monotonic()
+        t0, cpu = time.monotonic(), cpu_snapshot()
         with ThreadPoolExecutor(args.concurrent_batches) as pool:
             results = list(pool.map(batch, range(len(batches))))
-    wall = time.monotonic() - t0
-    check = check_shards(args, [p for _, _, p in results if p is not None])
-    return {"wall_s": wall, "written": sum(w for w, _, _ in results), "failed": sum(f for _, f, _ in results),
-            "shards_dir": str(args.shards), "stage_s": times.seconds, **check}
+        wall = time.monotonic() - t0
+        cores = cpu_cores(cpu, wall)
+    shards = [p for _, _, p in results if p is not None]
+    if args.check_every:
+        check = check_shards(args, shards)
+    else:  # a timing-only phase: the shards are only in the way of the next one
+        check = {}
+        for path in shards:
+            path.unlink()
+    return {"wall_s": wall, "cores": cores, "written": sum(w for w, _, _ in results),
+            "failed": sum(f for _, f, _ in results), "shards_dir": str(args.shards), "stage_s": times.seconds, **check}
 
 
 @torch.no_grad()
@@ -220,18 +273,21 @@ def report(path: Path) -> str:
     base = next((r["tokens_per_s"] for r in rows if r["phase"] == "prefill"), None)
     lines = ["| run | phase | in flight | reader processes | samples | written | tokens | tokens/s | vs unpatched | "
              "s a sample: server / dump wait / reader wait / read+verify / shard write | failed attempts (by class) | "
-             "checked (fp32) | wrong |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "checked (fp32) | wrong | cores: node / scheduler main / scheduler other / client |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         rel = f"{r['tokens_per_s'] / base:.0%}" if base else "-"
         attempts = ", ".join(f"{k} {v}" for k, v in r.get("failed_attempts", {}).items()) or "0"
         check = f"{r['checked']} ({r['fp32_checked']})" if "checked" in r else "-"
+        cores = " / ".join(f"{r['cores'][k]:.1f}" for k in CORE_GROUPS) if "cores" in r else "-"
         stages = " / ".join(f"{v / max(r['written'], 1):.3f}" for v in r["stage_s"].values()) if "stage_s" in r else "-"
         lines.append(f"| {r['label']} | {r['phase']} | {r.get('in_flight', '-')} | {r.get('reader_processes', 0)} | {r['samples']} | {r['written']} | "
                      f"{r['tokens']:,} | {r['tokens_per_s']:,.0f} | {rel} | {stages} | {attempts} | {check} | "
-                     f"{r.get('wrong', '-')} |")
+                     f"{r.get('wrong', '-')} | {cores} |")
     return "\n".join(lines)
 
 
+CORE_GROUPS = ("node", "scheduler_main", "scheduler_other", "client")
 PHASES = {"prefill": run_prefill, "consume": run_consume, "extract": run_extract}
 
 
@@ -266,7 +322,10 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--concurrent-batches", type=int, default=4)
         p.add_argument("--reader-processes", type=int, default=8, help="0: the request threads read the dumps")
         p.add_argument("--fp32-every", type=int, default=4, help="of the checked samples")
-        p.add_argument("--check-every", type=int, default=1, help="check every n-th sample of each shard")
+        p.add_argument("--check-every", type=int, default=1,
+                       help="check every n-th sample of each shard (0: none, the shards are deleted unchecked)")
+        p.add_argument("--rid-prefix", default=RID_PREFIX,
+                       help="prefill: the rids' prefix (another than the server's dump prefix: hooks on, nothing dumped)")
         p.add_argument("--results", type=Path, required=True)
     args = ap.parse_args(argv)
 

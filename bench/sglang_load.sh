@@ -21,7 +21,11 @@ CONSUME_READERS=${CONSUME_READERS:-$READERS}      # one consume phase per value 
 BYTES_IN_FLIGHT=${BYTES_IN_FLIGHT:-3221225472}     # client's dump bytes in flight, under the writer's budget
 PATCH_FLAGS=${PATCH_FLAGS:-}            # e.g. --dump-writer-threads 12 --dump-max-pending-bytes 12884901888
 DUMP_READ=${DUMP_READ:-}                # reader counts for bench.dump_read first, with no server (e.g. "8 12 16")
-PROFILE=${PROFILE:-0}   # 1: py-spy samples the scheduler process in each phase (py-spy==0.4.3 installed into $SITE, e.g. its wheel with part 2)
+HOOKS_IDLE=${HOOKS_IDLE:-0}   # 1: first start, a prefill phase whose rids lack the dump prefix (hooks on, nothing dumped)
+MORE_READERS=${MORE_READERS:-}  # first start, after the checked extract: one unchecked extract per reader count
+NICE_CLIENT=${NICE_CLIENT:-}    # first start, also an unchecked extract with the client at this niceness (e.g. 10)
+PROFILE=${PROFILE:-0}   # 1: one more unpatched prefill and one more consume, each with py-spy sampling the scheduler
+                        # (it stops the process per sample, so the timed phases run without it; py-spy==0.4.3 in $SITE)
 mkdir -p "$RUN" "$DUMPS"
 RESULTS=$RUN/results.jsonl
 log() { echo "[$(date +%T)] $*" | tee -a "$RUN/progress.log"; }
@@ -61,7 +65,6 @@ stop() {
 phase() { log "phase $*"; python3 -m bench.sglang_load "$@" >> "$RUN/phases.log" 2>&1 || log "phase $1 $3 reported a problem"; }
 profile() {  # profile NAME DELAY: 8 s of the scheduler's stacks (native frames too), from DELAY s into the phase
             # about to start (past its set-up: samples made, readers started; run E's took ~10 s)
-    [ "$PROFILE" = 1 ] || return 0
     local pid
     pid=$(pgrep -f '^sglang::scheduler' | head -n 1)
     [ -n "$pid" ] || { log "profile $1: no scheduler process"; return 0; }
@@ -71,26 +74,47 @@ profile() {  # profile NAME DELAY: 8 s of the scheduler's stacks (native frames 
 
 if [ "$UNPATCHED" = 1 ]; then
     if start unpatched python3 -m sglang.launch_server "${SERVER_FLAGS[@]}"; then
-        profile unpatched 3
         phase prefill --label unpatched --seed 0 --in-flight 64 "${COMMON[@]}"
+        if [ "$PROFILE" = 1 ]; then
+            profile unpatched 3
+            phase prefill --label "unpatched profiled" --seed 6 --in-flight 64 "${COMMON[@]}"
+        fi
     fi
     stop
 fi
 for run in $RUNS; do
     # shellcheck disable=SC2086  # PATCH_FLAGS is a list of flags
     if start "patched-$run" python3 -m patches.launch --dump-dir "$DUMPS" $PATCH_FLAGS -- "${SERVER_FLAGS[@]}"; then
+        if [ "$HOOKS_IDLE" = 1 ] && [ "$run" = 1 ]; then
+            phase prefill --label "patched-$run hooks idle" --seed 5 --in-flight 64 --rid-prefix plain- "${COMMON[@]}"
+        fi
         if [ "$CONSUME" = 1 ] && [ "$run" = 1 ]; then
             for k in $CONSUME_IN_FLIGHT; do
                 for r in $CONSUME_READERS; do
-                    profile "consume-$k-$r" 10
                     phase consume --label "patched-$run" --seed 1 --in-flight "$k" --reader-processes "$r" "${COMMON[@]}"
                 done
             done
+            if [ "$PROFILE" = 1 ]; then
+                profile consume 10
+                phase consume --label "patched-$run profiled" --seed 7 --in-flight "$IN_FLIGHT" \
+                    --reader-processes "$READERS" "${COMMON[@]}"
+            fi
         fi
         shards_var=SHARDS_$run
-        profile "extract-$run" 10
         phase extract --label "patched-$run" --seed $((run + 1)) --shards "${!shards_var:-$SHARDS}" \
             --in-flight "$IN_FLIGHT" --reader-processes "$READERS" "${COMMON[@]}"
+        if [ "$run" = 1 ]; then
+            for r in $MORE_READERS; do
+                phase extract --label "patched-$run" --seed $((10 + r)) --shards "${!shards_var:-$SHARDS}" \
+                    --in-flight "$IN_FLIGHT" --reader-processes "$r" "${COMMON[@]}" --check-every 0
+            done
+            if [ -n "$NICE_CLIENT" ]; then
+                log "phase extract under nice -n $NICE_CLIENT"
+                nice -n "$NICE_CLIENT" python3 -m bench.sglang_load extract --label "patched-$run client nice $NICE_CLIENT" \
+                    --seed 9 --shards "${!shards_var:-$SHARDS}" --in-flight "$IN_FLIGHT" --reader-processes "$READERS" \
+                    "${COMMON[@]}" --check-every 0 >> "$RUN/phases.log" 2>&1 || log "phase extract under nice reported a problem"
+            fi
+        fi
         log "leftover dump files: $(ls "$DUMPS" | wc -l)"
     fi
     stop

@@ -15,6 +15,10 @@ forward, on the forward's own stream:
    (a GPU-side dependency, the scheduler never blocks), copies snapshot and checksums into
    pinned host memory, and records an event the writer thread waits on. ``record_stream``
    keeps the caching allocator from reusing the snapshot's memory until that copy is done.
+   The event is a blocking one: a writer thread sleeps until the copy is done. A default
+   event busy-waits, and a writer thread takes its piece when the forward is *launched*,
+   up to a forward or two before the GPU gets there: several writer threads then spin at
+   full speed, on the cores the scheduler, the tokenizer and the client need.
 
 The reader recomputes the checksum from the bytes it read; whatever went wrong between
 steps 2 and the file (a racing copy, a torn write) is a corrupt dump, never a sample.
@@ -61,7 +65,7 @@ class SideStreamTransfer:
             host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
             for h, t in zip(host, tensors):
                 h.copy_(t, non_blocking=True)
-            ready = torch.cuda.Event()
+            ready = torch.cuda.Event(blocking=True)  # see step 3 above: a waiting writer sleeps
             ready.record(self.stream)
         for t in tensors:
             t.record_stream(self.stream)
