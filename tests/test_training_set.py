@@ -20,8 +20,8 @@ import torch
 from safetensors.torch import load_file
 
 from tasks.samples import TrainingSample
-from tasks.shards import (InvalidSample, ShardCorrupt, ShardWriter, content_hash, list_shards, read_shard_index,
-                          write_shard)
+from tasks.shards import (InvalidSample, ShardCorrupt, ShardWriteFailed, ShardWriter, content_hash, list_shards,
+                          read_shard_index, write_shard)
 from tasks.consolidation import MissingSamples, SchemaMismatch, consolidate
 from tasks.training_set import DatasetInfo, TrainingSetDataset, read_dataset_info
 
@@ -150,8 +150,65 @@ def test_a_streamed_shard_refuses_strangers_and_leaves_nothing_when_empty_or_fai
     assert [p.name for p in path.parent.iterdir()] == ["s.safetensors"]
 
 
+# Starts a shard on a small disk, fills the disk, then writes the shard's second sample. In a
+# child process: a store into an unreserved page of a full disk kills its process (SIGBUS).
+_FILL_UP_CHILD = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+    import torch
+    sys.path[:0] = [{repo!r}, {tests!r}]
+    from test_training_set import LAYERS, make_sample
+    from tasks.shards import ShardWriteFailed, ShardWriter
+    disk = Path({disk!r})
+    plan = [make_sample("a", 512, 1, hidden=64), make_sample("b", 512, 2, hidden=64)]
+    try:
+        with ShardWriter(disk / "s.safetensors", plan, torch.bfloat16, 64, len(LAYERS)) as shard:
+            shard.add(plan[0])
+            with (disk / "filler").open("wb") as filler:  # someone else takes the rest of the disk
+                try:
+                    while True:
+                        filler.write(b"x" * 65536)
+                        filler.flush()
+                except OSError:
+                    pass
+            shard.add(plan[1])
+    except ShardWriteFailed as exc:
+        print("failed:", exc, flush=True)
+""")
+
+
+def test_a_disk_that_fills_up_while_a_shard_is_written_fails_that_write_naming_the_shard(tmp_path):
+    # A real small filesystem. The shard's file is sized (sparse) when the batch starts and
+    # each sample's rows are reserved as they are written, so a disk that fills up in
+    # between must fail the write with ENOSPC, not kill the writer.
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"mounting a tmpfs needs root: {mounted.stderr.decode().strip()}")
+    try:
+        path = disk / "s.safetensors"
+        child = subprocess.run([sys.executable, "-c", _FILL_UP_CHILD.format(repo=str(REPO), tests=str(REPO / "tests"),
+                                                                            disk=str(disk))],
+                               capture_output=True, text=True, timeout=120)
+        assert child.returncode == 0, f"the writer died ({child.returncode}): {child.stderr[-2000:]}"
+        assert child.stdout.startswith(f"failed: [Errno 28] cannot write shard {path}: No space left on device "
+                                       "(reserving"), child.stdout
+        assert [p.name for p in disk.iterdir()] == ["filler"], "the shard's temporary file was left behind"
+
+        (disk / "filler").unlink()
+        (disk / "big").write_bytes(b"x" * (7 << 19))  # 3.5 of its 4 MiB: too full to start the shard at all
+        plan = [make_sample("a", 512, 1, hidden=64), make_sample("b", 512, 2, hidden=64)]
+        with pytest.raises(ShardWriteFailed, match=rf"cannot write shard {path}: No space left on device "
+                                                   r"\(\d+ bytes needed, \d+ free\)"):
+            ShardWriter(path, plan, torch.bfloat16, 64, len(LAYERS))
+        assert [p.name for p in disk.iterdir()] == ["big"]
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
 # Writes an old shard, then a bigger one over it under a file-size limit: first with SIGXFSZ
-# ignored (reserving the file's space fails with an OSError, like a full disk), then with its
+# ignored (sizing the file fails with an OSError, like a full disk), then with its
 # default action, which kills the process in the middle of the shard's write, like a crash.
 _CRASH_CHILD = textwrap.dedent("""
     import resource, signal, sys
@@ -184,7 +241,7 @@ def test_shard_write_is_atomic_on_error_and_on_crash(tmp_path):
     assert f"cannot write shard {path}: File too large" in child.stdout  # the message names the shard
     # The old shard is whole and still the one under the name; the killed write left only
     # a dot-named temporary file, which no reader takes for a shard.
-    # (The writer reserves the whole file first, so the crash comes before any sample is written.)
+    # (The writer sizes the whole file first, so the crash comes before any sample is written.)
     assert [r["sample_key"] for r in read_shard_index(path)] == ["old"]
     leftovers = [p for p in path.parent.iterdir() if p != path]
     assert len(leftovers) == 1 and leftovers[0].name.startswith(".s0.safetensors.")
