@@ -10,8 +10,8 @@
 
 ``bench/sglang_load.sh`` runs them on the lent H200 (unpatched SGLang, then two starts of the
 patched one). Each phase sends its own random-token prompts (uniform lengths, a fresh rid and
-``extra_key`` each, ``max_new_tokens`` 1) with ``--in-flight`` at once, and appends one JSON
-line to ``--results``. Throughput is prompt tokens over the wall time from the first request
+``extra_key`` each, ``max_new_tokens`` 1) with ``--in-flight`` at once, on an emptied radix
+cache, and appends one JSON line to ``--results``. Throughput is prompt tokens over the wall time from the first request
 to the last answer (``prefill``) or to the last dump consumed (``consume``) or shard written
 (``extract``). Over the same wall time, the CPU cores in use: the whole node, SGLang's
 scheduler process (its main thread, which launches the forwards, and its other threads,
@@ -82,6 +82,14 @@ def settings_for(args, facts: ModelFacts) -> RetrievalSettings:
     expected = ExpectedDump(tuple(default_aux_layer_ids(facts.num_layers)), facts.hidden_size, args.dtype)
     return RetrievalSettings(url=args.url, rid_prefix=RID_PREFIX, expected=expected, backoff_s=0.1,
                              dump_wait_s=120.0)
+
+
+def flush_cache(url: str) -> None:
+    """Empty the server's radix cache, so that no phase evicts what an earlier one left (a fresh
+    server's first phase never evicts: the KV cache holds ~1.2M tokens of this model, a phase ~1.07M)."""
+    r = requests.post(f"{url}/flush_cache", timeout=60)
+    if r.status_code != 200:
+        raise RuntimeError(f"POST {url}/flush_cache: {r.status_code} {r.text[:200]}")
 
 
 def server_info(url: str) -> dict:
@@ -343,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     errors = AttemptErrors()
     logging.getLogger("tasks.retrieval").addHandler(errors)
     logging.getLogger("tasks.retrieval").propagate = False  # counted, not printed per attempt
+    flush_cache(args.url)
     result = PHASES[args.command](args, facts, samples)
     tokens = sum(len(s.input_ids) for s in samples)
     row = {"label": args.label, "phase": args.command, "samples": len(samples), "tokens": tokens,
