@@ -195,8 +195,9 @@ class ExtractParameters(BaseModel):
                                description="Requests sent to the server and not yet answered, over all batches.")
     max_dump_bytes_in_flight: int = Field(
         2 << 30, title="Dump bytes in flight", ge=1 << 20, le=1 << 40,
-        description="Hidden-state bytes of requests sent but not yet read back, over all batches; below the "
-                    "server writer's budget, so a slow reader slows the server instead of losing dumps.")
+        description="Hidden-state bytes of requests sent but not yet read back, over all batches: a slow reader "
+                    "slows the server instead of losing dumps. The server's dump writer gets twice this as its "
+                    "budget. 64 requests of 2k tokens at hidden 4096 take ~5.4 GB.")
     reader_processes: int | None = Field(
         None, title="Dump reader processes", ge=0, le=256,
         description="Processes that read, verify and write the dumps into shards, on the machine that reads them "
@@ -673,6 +674,9 @@ def server_config(params: ExtractParameters, model_path: str, dump_dir: Path | s
                         aux_layer_ids=layer_ids, dtype=params.dtype, device=opts.device_or_default,
                         chunked_prefill_size=opts.chunked_prefill_size, disable_radix_cache=opts.disable_radix_cache,
                         skip_server_warmup=opts.skip_server_warmup,
+                        # never below what the flow may have in flight: the writer must not refuse a piece the
+                        # client has room for; the margin holds pieces of attempts the client gave up on
+                        dump_max_pending_bytes=2 * params.max_dump_bytes_in_flight,
                         api_key=server_api_key(params), extra_args=tuple(opts.extra_args), engine=opts.engine,
                         allow_non_loopback=opts.allow_non_loopback)
 

@@ -103,6 +103,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dump-aux-layers", type=int, nargs="+", default=None,
                    help="HF hidden_states indices; default: patches.dumps.default_aux_layer_ids")
     p.add_argument("--dump-max-bytes", type=int, default=None, help="cap on the dump folder's size")
+    p.add_argument("--dump-max-pending-bytes", type=int, default=DumpSettings.max_pending_bytes,
+                   help="host memory the writer queue may hold; over it a piece is refused (error marker)")
     p.add_argument("--dump-instance", default=None,
                    help="this launch's nonce, written into every dump piece and reported by /server_info "
                         "(default: a fresh random one)")
@@ -554,7 +556,8 @@ class LocalServer:
             raise SystemExit(f"--dump-aux-layers {bad}: HF hidden_states indices must lie in [0, {self.num_layers})")
         self.writer = DumpWriter(DumpSettings(
             dump_dir=args.dump_dir, rid_prefix=args.dump_rid_prefix, model=str(args.model_path),
-            layer_ids=layer_ids, max_dir_bytes=args.dump_max_bytes, instance=args.dump_instance or uuid.uuid4().hex))
+            layer_ids=layer_ids, max_pending_bytes=args.dump_max_pending_bytes, max_dir_bytes=args.dump_max_bytes,
+            instance=args.dump_instance or uuid.uuid4().hex))
         eos = self.model.generation_config.eos_token_id
         eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         if self.tokenizer.eos_token_id is not None:

@@ -94,6 +94,8 @@ class ServerConfig:
     disable_radix_cache: bool = False
     skip_server_warmup: bool = False
     dump_max_bytes: int | None = None
+    #: the writer's budget of queued bytes (None: the launcher's default)
+    dump_max_pending_bytes: int | None = None
     #: reaches the server in its environment (``API_KEY_ENV``), never on its command line
     api_key: str | None = field(default=None, repr=False)
     extra_args: tuple[str, ...] = ()
@@ -114,6 +116,8 @@ class ServerConfig:
             dump += ["--dump-aux-layers", *map(str, self.aux_layer_ids)]
         if self.dump_max_bytes is not None:
             dump += ["--dump-max-bytes", str(self.dump_max_bytes)]
+        if self.dump_max_pending_bytes is not None:
+            dump += ["--dump-max-pending-bytes", str(self.dump_max_pending_bytes)]
         server = ["--model-path", str(self.model_path), "--host", "127.0.0.1", "--port", str(port),
                   "--dtype", self.dtype, "--device", self.device]
         if self.chunked_prefill_size is not None:

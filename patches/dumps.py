@@ -253,8 +253,9 @@ class DumpSettings:
     max_dir_bytes: int | None = None
     queue_pieces: int = 4096
     #: writer threads; a rid always maps to the same one, which keeps its pieces in order.
-    #: One thread writes ~0.5 GB/s into /dev/shm; an H200 prefills ~2.7 GB/s of dumps at H=4096.
-    writer_threads: int = 8
+    #: One thread writes ~0.5 GB/s into /dev/shm; an H200 prefills ~3.3 GB/s of dumps at H=4096;
+    #: 12 kept up on it (bench/results-sglang-load-2026-12-03.md). Waiting threads sleep.
+    writer_threads: int = 12
     #: this server launch's nonce, written into every piece (launchers always set a fresh one)
     instance: str = ""
 
@@ -385,6 +386,7 @@ class DumpWriter:
         with self._lock:
             return {"dump_dir": str(self.dump_dir), "written": self.written, "written_bytes": self.written_bytes,
                     "refused": self.refused, "pending_bytes": self._pending_bytes,
+                    "max_pending_bytes": self.settings.max_pending_bytes,
                     "queued": sum(q.qsize() for q in self._queues), "threads": len(self._threads),
                     "last_error": self.last_error}
 

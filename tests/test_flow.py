@@ -146,9 +146,12 @@ def test_flow_writes_verified_samples_under_awkward_server(prefect_api, tiny_mod
     foreign_traffic["port"] = port
     params = ExtractParameters(
         prompts=str(prompts), model_path=str(tiny_model_dir), out=str(tmp_path / "out"), batch_size=12,
-        max_in_flight=8, concurrent_batches=2, exports=["specforge", "speculators"],
+        max_in_flight=8, max_dump_bytes_in_flight=1 << 28, concurrent_batches=2, exports=["specforge", "speculators"],
         server=ServerOptions(chunked_prefill_size=24, port=port, extra_args=["--dump-every-forward"]))
     summary = extract(params)
+    server_log = next((tmp_path / "out").glob("versions/*/runs/*-server.log")).read_text()
+    # the server's writer never refuses a piece the flow had room for: its budget is twice the flow's
+    assert "'max_pending_bytes': 536870912" in server_log, server_log[-2000:]
     assert foreign_traffic["served"] >= 3, "the other client's requests never reached the server"
 
     assert summary["rows_in"] == 43

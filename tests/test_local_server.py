@@ -267,6 +267,20 @@ def test_full_dump_folder_leaves_a_marker_and_the_server_answers(start_local_ser
         assert server.stop() == 0, server.log_tail()
 
 
+def test_a_piece_over_the_writers_budget_leaves_a_marker_and_the_server_answers(start_local_server, tiny_model_dir):
+    # A 10-token piece is ~11 kB: over a 5000-byte budget of queued bytes.
+    server = start_local_server(tiny_model_dir, "--dump-max-pending-bytes", "5000", "--skip-server-warmup")
+    try:
+        ids = random_ids(random.Random(11), 10)
+        assert server.generate(rid="eagle3-budget", input_ids=ids, sampling_params={"max_new_tokens": 0}).ok
+        with pytest.raises(DumpWriteFailed, match="over its budget of 5000 bytes"):
+            DumpReader(server.dump_dir).wait("eagle3-budget", len(ids), timeout=30)
+        stats = requests.get(server.url + "/server_info", timeout=10).json()["dump_writer"]
+        assert stats["max_pending_bytes"] == 5000 and stats["refused"] == 1
+    finally:
+        assert server.stop() == 0, server.log_tail()
+
+
 def test_sigterm_answers_in_flight_requests_and_drains_the_writer(start_local_server, tiny_model_dir, model):
     server = start_local_server(tiny_model_dir, "--chunked-prefill-size", "8", "--skip-server-warmup")
     rng = random.Random(10)

@@ -206,13 +206,14 @@ def test_sglang_engine_names_what_the_node_lacks_and_the_command_it_would_run(pr
 def test_sglang_command_line_passes_the_launchers_checks(tmp_path):
     config = ServerConfig(model_path=Path("/models/llama"), dump_dir=tmp_path, rid_prefix="eagle3-",
                           aux_layer_ids=(2, 4, 5), dtype="bfloat16", device="cuda", chunked_prefill_size=512,
-                          extra_args=("--tp-size", "2"), engine="sglang")
+                          dump_max_pending_bytes=6 << 30, extra_args=("--tp-size", "2"), engine="sglang")
     argv = config.argv("/opt/venv/bin/python", 31000)
     assert argv[:3] == ["/opt/venv/bin/python", "-m", "patches.launch"]
     split = argv.index("--")
     plan = plan_launch(SUPPORTED_RELEASES["0.5.23"], dump_arg_parser().parse_args(argv[3:split]), argv[split + 1:],
                        model=("LlamaForCausalLM", 8))
     assert plan.hook_config.dump.layer_ids == (2, 4, 5) and plan.hook_config.dump.dump_dir == tmp_path.resolve()
+    assert plan.hook_config.dump.max_pending_bytes == 6 << 30
     got = plan.argv
     for flag, value in (("--model-path", "/models/llama"), ("--host", "127.0.0.1"), ("--port", "31000"),
                         ("--dtype", "bfloat16"), ("--chunked-prefill-size", "512"), ("--tp-size", "2")):
