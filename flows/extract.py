@@ -521,25 +521,41 @@ def run_extraction(params: ExtractParameters, model_path: str, out: Path, vdir: 
     stale = DumpReader(dump_dir).remove_stale(ttl_s=3600)
     if stale:
         log.info("removed %d stale dump files from %s", stale, dump_dir)
+
+    def start(log_path: Path) -> RunningServer:
+        return start_server(server_config(params, model_path, dump_dir, layer_ids), log_path,
+                            ready_timeout_s=params.server.ready_timeout_s)
+
+    def extract_with(server: RunningServer, todo: list, start_index: int) -> tuple[int, list[SampleFailure], float]:
+        settings = retrieval_settings(params, server, server.url, layer_ids, hidden_size)
+        return extract_here(params, settings, server, dump_dir, vdir, f"{run_id}-{start_index}", todo, stages)
+
+    return with_restarts(params, vdir, run_id, todo, start, extract_with)
+
+
+def with_restarts(params: ExtractParameters, vdir: Path, run_id: str, todo: list,
+                  start: Callable[[Path], RunningServer],
+                  extract_with: Callable[[RunningServer, list, int], tuple[int, list[SampleFailure], float]],
+                  ) -> tuple[int, list[SampleFailure], float]:
+    """``extract_with(server, todo, n)`` on the ``n``-th server ``start(log path)`` gives; a server that
+    dies or hangs meanwhile (ServerDied) is started again, ``--server-restarts`` times, for the
+    samples the version does not hold yet. Each server is stopped however its part ends."""
+    log = get_run_logger()
     started, tokens = time.monotonic(), 0
-    for start in range(params.server_restarts + 1):
-        log_path = vdir / "runs" / f"{run_id}-server{'' if start == 0 else f'-restart{start}'}.log"
-        server = start_server(server_config(params, model_path, dump_dir, layer_ids), log_path,
-                              ready_timeout_s=params.server.ready_timeout_s)
+    for n in range(params.server_restarts + 1):
+        server = start(vdir / "runs" / f"{run_id}-server{'' if n == 0 else f'-restart{n}'}.log")
         try:
-            settings = retrieval_settings(params, server, server.url, layer_ids, hidden_size)
-            new_tokens, failures, _ = extract_here(params, settings, server, dump_dir, vdir, f"{run_id}-{start}", todo,
-                                                   stages)
+            new_tokens, failures, _ = extract_with(server, todo, n)
             return tokens + new_tokens, failures, time.monotonic() - started
         except ServerDied as died:
             tokens += died.tokens
             log.error("%s; its log ends:\n%s", died, server.process.log_tail())
-            if start == params.server_restarts:
-                raise RunFailed(f"the server died {start + 1} times (--server-restarts {params.server_restarts}); "
+            if n == params.server_restarts:
+                raise RunFailed(f"the server died {n + 1} times (--server-restarts {params.server_restarts}); "
                                 f"last: {died}") from died
             done = {row["sample_key"] for row in shard_index(params, vdir, vdir.name)}
             todo = [s for s in todo if s.sample_key not in done]
-            log.warning("restarting the server (%d of %d); %d samples to go", start + 1, params.server_restarts,
+            log.warning("restarting the server (%d of %d); %d samples to go", n + 1, params.server_restarts,
                         len(todo))
         finally:
             code = server.stop()
@@ -702,6 +718,7 @@ def run_node_extraction(params: ExtractParameters, model_path: str, out: Path, v
     The server listens on the node's loopback: node-side batches reach it there, the flow
     through a tunnel. Its lease is renewed while the flow lives; it is stopped however
     the run ends (here, or by the cancellation/crash hooks, or by its lease running out).
+    It is watched either way, and restarted like a local one when it dies or hangs.
     """
     log = get_run_logger()
     settings = params.node.ssh_settings()
@@ -709,8 +726,8 @@ def run_node_extraction(params: ExtractParameters, model_path: str, out: Path, v
         node.prepare()
         dump_dir = node.dump_dir
         host = SshHost(node, lease_timeout_s=params.node.lease_timeout_s)
-        config = server_config(params, model_path, dump_dir, layer_ids)
-        config = replace(config, port=config.port or host.free_port())
+        port = params.server.port or host.free_port()
+        config = replace(server_config(params, model_path, dump_dir, layer_ids), port=port)
         try:
             facts = node.check(params.server.engine, params.server.device_or_default)
         except NodeCommandFailed as exc:
@@ -721,45 +738,54 @@ def run_node_extraction(params: ExtractParameters, model_path: str, out: Path, v
         log.info("node %s: python %s, torch %s, GPUs %s, code in %s", node.name, facts["python_version"],
                  facts.get("torch"), facts.get("cuda_devices"), node.code_dir)
         node.run(["mkdir", "-p", dump_dir])
-        log_path = vdir / "runs" / f"{run_id}-server.log"
-        record = record_node_server(out, params.node, node.resolve(f"{settings.workdir}/servers/{log_path.stem}"),
-                                    str(current_flow_run.id))
-        try:
-            server = start_server(config, log_path, host=host,
-                                  ready_timeout_s=params.server.ready_timeout_s)
+        records: list[Path] = []
+
+        def start(log_path: Path) -> RunningServer:
+            records.append(record_node_server(out, params.node, node.resolve(f"{settings.workdir}/servers/"
+                                                                             f"{log_path.stem}"),
+                                              str(current_flow_run.id)))
+            # a fresh launch nonce each time: pieces a dead server left behind are foreign to its successor
+            return start_server(replace(server_config(params, model_path, dump_dir, layer_ids), port=port), log_path,
+                                host=host, ready_timeout_s=params.server.ready_timeout_s)
+
+        def extract_with(server: RunningServer, todo: list, n: int) -> tuple[int, list[SampleFailure], float]:
+            if params.node.shards_remote:
+                on_node = retrieval_settings(params, server, f"http://127.0.0.1:{server.port}", layer_ids, hidden_size)
+                return extract_on_node(params, node, server, on_node, dump_dir, node.version_dir(vdir.name),
+                                       f"{run_id}-{n}", todo, stages)
+            mirror_dir = out / "dumps" / f"from-{settings.host}-{server.port}"
+            DumpReader(mirror_dir).remove_stale(ttl_s=0)  # an earlier run's leftovers: nobody reads them
+            mirror = DumpMirror(node, dump_dir, mirror_dir, RID_PREFIX)
             try:
-                if params.node.shards_remote:
-                    on_node = retrieval_settings(params, server, f"http://127.0.0.1:{server.port}",
-                                                 layer_ids, hidden_size)
-                    return extract_on_node(params, node, on_node, dump_dir, node.version_dir(vdir.name), run_id, todo,
-                                           stages)
-                mirror_dir = out / "dumps" / f"from-{settings.host}-{server.port}"
-                DumpReader(mirror_dir).remove_stale(ttl_s=0)  # an earlier run's leftovers: nobody reads them
-                mirror = DumpMirror(node, dump_dir, mirror_dir, RID_PREFIX)
-                try:
-                    return extract_here(params, retrieval_settings(params, server, server.url, layer_ids,
-                                                                   hidden_size), server, mirror_dir, vdir, run_id,
-                                        todo, stages)
-                finally:
-                    mirror.stop()
-                    log.info("read %d dump files, %.1f MB, over SSH from %s (stream restarted %d times)",
-                             mirror.files, mirror.bytes / 1e6, node.name, mirror.restarts)
+                return extract_here(params, retrieval_settings(params, server, server.url, layer_ids, hidden_size),
+                                    server, mirror_dir, vdir, f"{run_id}-{n}", todo, stages)
             finally:
-                code = server.stop()
-                log.info("server on %s stopped (exit code %s); log %s", node.name, code, server.log_path)
+                mirror.stop()
+                log.info("read %d dump files, %.1f MB, over SSH from %s (stream restarted %d times)",
+                         mirror.files, mirror.bytes / 1e6, node.name, mirror.restarts)
+
+        try:
+            return with_restarts(params, vdir, run_id, todo, start, extract_with)
         finally:
             host.close()
-            record.unlink(missing_ok=True)
+            for record in records:
+                record.unlink(missing_ok=True)
             with contextlib.suppress(OSError):  # other servers of this run may still be noted there
-                record.parent.rmdir()
+                if records:
+                    records[0].parent.rmdir()
 
 
-def extract_on_node(params: ExtractParameters, node: SshNode, settings: RetrievalSettings, dump_dir: str,
-                    node_vdir: str, run_id: str, todo: list, stages: StageTimes) -> tuple[int, list[SampleFailure], float]:
+def extract_on_node(params: ExtractParameters, node: SshNode, server: RunningServer, settings: RetrievalSettings,
+                    dump_dir: str, node_vdir: str, run_id: str, todo: list,
+                    stages: StageTimes) -> tuple[int, list[SampleFailure], float]:
+    """Batches run on the node (``tasks.node_batch``), shards written there. Like :func:`extract_here`,
+    raises ServerDied when the server exits or hangs meanwhile (the watch kills a hung one, so the
+    node's requests fail at once instead of waiting out their timeouts)."""
     started = time.monotonic()
     batches = [todo[i:i + params.batch_size] for i in range(0, len(todo), params.batch_size)]
     runner = ThreadPoolTaskRunner(max_workers=params.concurrent_batches)
-    with tqdm(total=len(todo), unit="sample", desc=f"extracting on {node.settings.host}") as bar, runner:
+    watch = ServerWatch(server, lambda reason: None, health_timeout_s=params.server.health_timeout_s)
+    with tqdm(total=len(todo), unit="sample", desc=f"extracting on {node.settings.host}") as bar, runner, watch:
         futures = [runner.submit(node_batch_step, parameters=dict(
             index=i, samples=quote(batch), settings=settings, node=node, dump_dir=dump_dir,
             shard_path=f"{node_vdir}/shards/shard-{run_id}-{i:05d}.safetensors", max_in_flight=params.max_in_flight,
@@ -770,6 +796,8 @@ def extract_on_node(params: ExtractParameters, node: SshNode, settings: Retrieva
     for r in results:
         stages.add(r.stage_s)
     tokens = sum(r.shard.tokens for r in results if r.shard)
+    if watch.gone is not None or not server.process.alive():
+        raise ServerDied(watch.gone or f"the server on {server.host.name} exited", tokens)
     retried, failures = retry_stragglers(params, [f for r in results for f in r.failures], todo,
                                          node_retry_sample_step, lambda n: (
                                              settings, node, dump_dir,

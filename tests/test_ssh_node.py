@@ -29,7 +29,7 @@ from patches.sglang_releases import SUPPORTED_RELEASES
 from tests.sshd import keygen
 from tasks.training_set import TrainingSetDataset
 from tests.ground_truth import load_reference_model, reference_hidden_states
-from tests.test_flow import conversations, independent_loss_mask, write_jsonl
+from tests.test_flow import conversations, gone, independent_loss_mask, kill_the_server_after, write_jsonl
 
 
 def node_options(sshd, workdir: Path, **kw) -> NodeOptions:
@@ -92,6 +92,30 @@ def test_flow_extracts_on_the_node_and_fetches_verified_shards(prefect_api, sshd
     assert len(list((vdir / "exports" / "specforge").rglob("*.ckpt"))) == 12
     assert not marker.exists(), "a prompt ran a command on the node"
 
+
+
+def test_a_hung_node_server_is_killed_and_restarted_and_nothing_is_lost(prefect_api, sshd, tiny_model_dir, tmp_path):
+    """--shards-on node: the batches run on the node, so only the flow's watch can tell a hung
+    server (its requests would wait out their 600 s timeouts, attempt after attempt). It is
+    killed and started again, and every sample lands once."""
+    rows = conversations(15, tag="node-hung")
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", rows)
+    workdir, stopped = tmp_path / "node", []
+    stopper = kill_the_server_after(workdir, shards=1, kills=stopped, sig=signal.SIGSTOP)  # alive, answers nothing
+    started = time.monotonic()
+    summary = extract(ExtractParameters(prompts=str(prompts), model_path=str(tiny_model_dir), out=str(tmp_path / "out"),
+                                        batch_size=3, max_in_flight=2, concurrent_batches=1, backoff_s=0.05,
+                                        server=ServerOptions(health_timeout_s=2), node=node_options(sshd, workdir)))
+    took = time.monotonic() - started
+    stopper.join(5)
+    assert len(stopped) == 1, "the node server was never stopped"
+    assert took < 240, f"the run took {took:.0f}s: the hung server was not noticed"
+    assert gone(stopped[0]), "the hung server was left running on the node"
+    assert (summary["written"], summary["failed"], summary["written_this_run"]) == (15, 0, 15)
+    vdir = Path(summary["version_dir"])
+    assert len(list((vdir / "runs").glob("*-server-restart1.log"))) == 1
+    manifest = pl.read_parquet(vdir / "manifest.parquet")
+    assert manifest.height == 15 and manifest["sample_key"].n_unique() == 15
 
 
 def test_flow_extracts_here_through_a_tunnel_with_dumps_read_over_ssh(prefect_api, sshd, tiny_model_dir, tmp_path):
