@@ -396,9 +396,10 @@ def kill_the_server_after(out: Path, shards: int, kills: list[int], times: int =
         deadline = time.monotonic() + 300
         seen: dict[int, float] = {}  # server pid: when this thread first saw it (wall clock, as file times)
         while len(kills) < times and time.monotonic() < deadline:
-            for pid in server_pids():
+            pids = server_pids()  # one listing: a server that starts between two would have no first sighting
+            for pid in pids:
                 seen.setdefault(pid, time.time())
-            alive = [p for p in server_pids() if p not in kills]
+            alive = [p for p in pids if p not in kills]
             if alive:
                 since = seen[alive[0]]
                 written = [p for p in out.glob("versions/*/shards/*.safetensors") if p.stat().st_mtime > since]
