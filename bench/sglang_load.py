@@ -98,9 +98,14 @@ def server_info(url: str) -> dict:
             "disable_radix_cache": info.get("disable_radix_cache"), "dump_writer": info.get("dump_writer")}
 
 
+def _stat_fields(stat_line: str) -> list[str]:
+    """The fields of a /proc .../stat line after the process name (which may hold spaces): state, ppid, ..."""
+    return stat_line.rsplit(")", 1)[1].split()
+
+
 def _ticks(stat_line: str) -> int:
-    """utime + stime of a /proc .../stat line (fields 14 and 15; the name before them may hold spaces)."""
-    fields = stat_line.rsplit(")", 1)[1].split()
+    """utime + stime of a /proc .../stat line (its fields 14 and 15)."""
+    fields = _stat_fields(stat_line)
     return int(fields[11]) + int(fields[12])
 
 
@@ -128,7 +133,7 @@ def cpu_snapshot() -> dict[str, int]:
             main = _ticks(_read(f"/proc/{pid}/task/{pid}/stat") or stat)
             snap["scheduler_main"] += main
             snap["scheduler_other"] += _ticks(stat) - main
-        elif stat.rsplit(")", 1)[1].split()[1] == me:  # a child of this client: a reader process
+        elif _stat_fields(stat)[1] == me:  # a child of this client: a reader process
             snap["client"] += _ticks(stat)
     return snap
 

@@ -62,7 +62,10 @@ stop() {
     for _ in $(seq 30); do kill -0 "$SERVER" 2> /dev/null || return 0; sleep 1; done
     kill -KILL -- "-$SERVER" 2> /dev/null
 }
-phase() { log "phase $*"; python3 -m bench.sglang_load "$@" >> "$RUN/phases.log" 2>&1 || log "phase $1 $3 reported a problem"; }
+phase() {  # NICENESS=N phase ...: the client at that niceness (0: as the script)
+    log "phase $*${NICENESS:+ (client under nice -n $NICENESS)}"
+    nice -n "${NICENESS:-0}" python3 -m bench.sglang_load "$@" >> "$RUN/phases.log" 2>&1 || log "phase $1 $3 reported a problem"
+}
 profile() {  # profile NAME DELAY: 8 s of the scheduler's stacks (native frames too), from DELAY s into the phase
             # about to start (past its set-up: samples made, readers started; run E's took ~10 s)
     local pid
@@ -109,10 +112,9 @@ for run in $RUNS; do
                     --in-flight "$IN_FLIGHT" --reader-processes "$r" "${COMMON[@]}" --check-every 0
             done
             if [ -n "$NICE_CLIENT" ]; then
-                log "phase extract under nice -n $NICE_CLIENT"
-                nice -n "$NICE_CLIENT" python3 -m bench.sglang_load extract --label "patched-$run client nice $NICE_CLIENT" \
-                    --seed 9 --shards "${!shards_var:-$SHARDS}" --in-flight "$IN_FLIGHT" --reader-processes "$READERS" \
-                    "${COMMON[@]}" --check-every 0 >> "$RUN/phases.log" 2>&1 || log "phase extract under nice reported a problem"
+                NICENESS=$NICE_CLIENT phase extract --label "patched-$run client nice $NICE_CLIENT" --seed 9 \
+                    --shards "${!shards_var:-$SHARDS}" --in-flight "$IN_FLIGHT" --reader-processes "$READERS" \
+                    "${COMMON[@]}" --check-every 0
             fi
         fi
         log "leftover dump files: $(ls "$DUMPS" | wc -l)"

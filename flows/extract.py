@@ -522,8 +522,10 @@ def run_extraction(params: ExtractParameters, model_path: str, out: Path, vdir: 
     if stale:
         log.info("removed %d stale dump files from %s", stale, dump_dir)
 
+    config = server_config(params, model_path, dump_dir, layer_ids)
+
     def start(log_path: Path) -> RunningServer:
-        return start_server(server_config(params, model_path, dump_dir, layer_ids), log_path,
+        return start_server(replace(config, instance=uuid.uuid4().hex), log_path,
                             ready_timeout_s=params.server.ready_timeout_s)
 
     def extract_with(server: RunningServer, todo: list, start_index: int) -> tuple[int, list[SampleFailure], float]:
@@ -539,7 +541,8 @@ def with_restarts(params: ExtractParameters, vdir: Path, run_id: str, todo: list
                   ) -> tuple[int, list[SampleFailure], float]:
     """``extract_with(server, todo, n)`` on the ``n``-th server ``start(log path)`` gives; a server that
     dies or hangs meanwhile (ServerDied) is started again, ``--server-restarts`` times, for the
-    samples the version does not hold yet. Each server is stopped however its part ends."""
+    samples the version does not hold yet. Each server is stopped however its part ends. Each
+    ``start`` gives the server a fresh launch nonce: pieces a dead server left are foreign to the next."""
     log = get_run_logger()
     started, tokens = time.monotonic(), 0
     for n in range(params.server_restarts + 1):
@@ -726,8 +729,8 @@ def run_node_extraction(params: ExtractParameters, model_path: str, out: Path, v
         node.prepare()
         dump_dir = node.dump_dir
         host = SshHost(node, lease_timeout_s=params.node.lease_timeout_s)
-        port = params.server.port or host.free_port()
-        config = replace(server_config(params, model_path, dump_dir, layer_ids), port=port)
+        config = server_config(params, model_path, dump_dir, layer_ids)
+        config = replace(config, port=config.port or host.free_port())
         try:
             facts = node.check(params.server.engine, params.server.device_or_default)
         except NodeCommandFailed as exc:
@@ -744,9 +747,8 @@ def run_node_extraction(params: ExtractParameters, model_path: str, out: Path, v
             records.append(record_node_server(out, params.node, node.resolve(f"{settings.workdir}/servers/"
                                                                              f"{log_path.stem}"),
                                               str(current_flow_run.id)))
-            # a fresh launch nonce each time: pieces a dead server left behind are foreign to its successor
-            return start_server(replace(server_config(params, model_path, dump_dir, layer_ids), port=port), log_path,
-                                host=host, ready_timeout_s=params.server.ready_timeout_s)
+            return start_server(replace(config, instance=uuid.uuid4().hex), log_path, host=host,
+                                ready_timeout_s=params.server.ready_timeout_s)
 
         def extract_with(server: RunningServer, todo: list, n: int) -> tuple[int, list[SampleFailure], float]:
             if params.node.shards_remote:

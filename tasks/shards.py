@@ -132,7 +132,7 @@ class ShardWriter:
 
     The samples the shard is planned for are known up front (keys, token counts, masks), so
     the file's layout is too: each sample's rows go straight to their place in every column
-    (``os.pwrite`` from the sample's own memory), and the sample can be dropped at once. A
+    (through a mapping, from the sample's own memory), and the sample can be dropped at once. A
     batch's hidden states are never held together: the client's memory is bounded by what
     is in flight, not by the batch size. The file gets its whole size at the start, sparse,
     and the free space is checked then: a full disk fails the batch before its samples are
