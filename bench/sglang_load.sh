@@ -62,9 +62,14 @@ stop() {
     for _ in $(seq 30); do kill -0 "$SERVER" 2> /dev/null || return 0; sleep 1; done
     kill -KILL -- "-$SERVER" 2> /dev/null
 }
+vmstat() {  # the kernel's page-allocation counters, to see whether a slow phase waited on memory
+    echo "$(date +%T) $1 $(grep -E '^(nr_free_pages|nr_shmem|nr_file_pages|pgfault|pgmajfault|pgscan_kswapd|pgscan_direct|allocstall_normal|compact_stall|thp_fault_alloc) ' /proc/vmstat | tr '\n' ' ')" >> "$RUN/vmstat.log"
+}
 phase() {  # NICENESS=N phase ...: the client at that niceness (0: as the script)
     log "phase $*${NICENESS:+ (client under nice -n $NICENESS)}"
+    vmstat "before $1 $3"
     nice -n "${NICENESS:-0}" python3 -m bench.sglang_load "$@" >> "$RUN/phases.log" 2>&1 || log "phase $1 $3 reported a problem"
+    vmstat "after $1 $3"
 }
 profile() {  # profile NAME DELAY: 8 s of the scheduler's stacks (native frames too), from DELAY s into the phase
             # about to start (past its set-up: samples made, readers started; run E's took ~10 s)
