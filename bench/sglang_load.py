@@ -283,7 +283,8 @@ def check_shards(args, shards: list[Path]) -> dict:
 
 def report(path: Path) -> str:
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    base = next((r["tokens_per_s"] for r in rows if r["phase"] == "prefill"), None)
+    unpatched = [r["tokens_per_s"] for r in rows if r["label"] == "unpatched" and r["phase"] == "prefill"]
+    base = sum(unpatched) / len(unpatched) if unpatched else None
     lines = ["| run | phase | in flight | reader processes | samples | written | tokens | tokens/s | vs unpatched | "
              "s a sample: server / dump wait / reader wait / read+verify / shard write | failed attempts (by class) | "
              "checked (fp32) | wrong | cores: node / scheduler main / scheduler other / client |",

@@ -11,6 +11,10 @@ DUMPS=${DUMPS:-/dev/shm/eagle3}
 SHARDS=${SHARDS:-/root/shards}   # SHARDS_<run> for one run's own folder (e.g. SHARDS_2=/dev/shm/shards)
 SAMPLES=${SAMPLES:-1000}
 UNPATCHED=${UNPATCHED:-1}   # 0: skip the unpatched baseline
+UNPATCHED_PHASES=${UNPATCHED_PHASES:-1}  # unpatched prefill phases (the baseline is their mean)
+WARM_SHM_GIB=${WARM_SHM_GIB:-0}  # GiB written to and deleted from $DUMPS's file system before any server starts, so
+                                 # that no phase is the first to use the machine's memory (a fresh VM's first ~50 GB
+                                 # came slow: results file, runs H and I)
 RUNS=${RUNS:-1 2}           # patched server starts
 CONSUME=${CONSUME:-1}       # 0: no consume-only phase
 CHECK_EVERY=${CHECK_EVERY:-1}
@@ -80,9 +84,17 @@ profile() {  # profile NAME DELAY: 8 s of the scheduler's stacks (native frames 
         --output "$RUN/profile-$1.txt" > "$RUN/profile-$1.log" 2>&1) &
 }
 
+if [ "$WARM_SHM_GIB" -gt 0 ]; then
+    t0=$(date +%s%N)
+    dd if=/dev/zero of="$DUMPS/warm-up" bs=64M count=$((WARM_SHM_GIB * 16)) status=none
+    log "wrote $WARM_SHM_GIB GiB to $DUMPS in $((($(date +%s%N) - t0) / 1000000)) ms"
+    rm -f "$DUMPS/warm-up"
+fi
 if [ "$UNPATCHED" = 1 ]; then
     if start unpatched python3 -m sglang.launch_server "${SERVER_FLAGS[@]}"; then
-        phase prefill --label unpatched --seed 0 --in-flight 64 "${COMMON[@]}"
+        for i in $(seq 0 $((UNPATCHED_PHASES - 1))); do
+            phase prefill --label unpatched --seed $((i ? 30 + i : 0)) --in-flight 64 "${COMMON[@]}"
+        done
         if [ "$PROFILE" = 1 ]; then
             profile unpatched 3
             phase prefill --label "unpatched profiled" --seed 6 --in-flight 64 "${COMMON[@]}"
