@@ -27,14 +27,13 @@ from transformers import AutoTokenizer
 
 from infra.server import ServerConfig, start_server
 from infra.tiny_model import build_tiny_model
-from patches.dumps import DumpReader, default_aux_layer_ids
+from patches.dumps import RID_PREFIX, DumpReader, default_aux_layer_ids
 from tasks.dataset_version import read_model_facts
 from tasks.chat_template import ChatTemplate, Conversation
 from tasks.samples import PreparedSample
 from tasks.retrieval import ExpectedDump, InFlightLimit, RetrievalSettings, extract_samples, keep_samples
 from tests.ground_truth import load_reference_model, reference_hidden_states
 
-RID_PREFIX = "eagle3-"
 WORDS = ("the model reads every token and the draft learns to guess the next one quickly while "
          "the server batches requests and writes hidden states for each prefill chunk").split()
 

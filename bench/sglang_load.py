@@ -42,14 +42,12 @@ from pathlib import Path
 import requests
 import torch
 
-from patches.dumps import DumpReader, default_aux_layer_ids
+from patches.dumps import RID_PREFIX, DumpReader, default_aux_layer_ids
 from tasks.dataset_version import ModelFacts, read_model_facts
 from tasks.readers import ReaderPool
 from tasks.retrieval import (ExpectedDump, InFlightLimit, RetrievalSettings, StageTimes, extract_batch,
                              extract_with_retries, into_shard, send_generate, threads_for)
 from tasks.samples import PreparedSample
-
-RID_PREFIX = "eagle3-"
 
 
 class AttemptErrors(logging.Handler):

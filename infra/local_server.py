@@ -55,7 +55,7 @@ import torch
 
 from patches.batch_slicing import slice_extend_batch
 from patches.capture import PieceRows, capture_pieces
-from patches.dumps import DumpSettings, DumpWriter, default_aux_layer_ids, prompt_hash
+from patches.dumps import RID_PREFIX, DumpSettings, DumpWriter, default_aux_layer_ids, prompt_hash
 from patches.launch import API_KEY_ENV
 
 log = logging.getLogger("infra.local_server")
@@ -99,7 +99,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shutdown-grace-s", type=float, default=30.0,
                    help="on SIGTERM, how long running requests may take before they are refused")
     p.add_argument("--dump-dir", required=True, type=Path)
-    p.add_argument("--dump-rid-prefix", default="eagle3-")
+    p.add_argument("--dump-rid-prefix", default=RID_PREFIX)
     p.add_argument("--dump-aux-layers", type=int, nargs="+", default=None,
                    help="HF hidden_states indices; default: patches.dumps.default_aux_layer_ids")
     p.add_argument("--dump-max-bytes", type=int, default=None, help="cap on the dump folder's size")

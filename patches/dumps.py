@@ -79,6 +79,9 @@ from patches.safetensors_stream import TensorEntry, read_header, read_into, writ
 log = logging.getLogger(__name__)
 
 DUMP_FORMAT = "eagle3-dump"
+#: only requests whose rid starts with this are dumped (the flow sends "<prefix><key>-a<attempt>-<nonce>");
+#: a warmup's or health check's rid never does
+RID_PREFIX = "eagle3-"
 DUMP_VERSION = "3"
 PIECE_SUFFIX = ".dump.safetensors"
 ERROR_SUFFIX = ".error.json"

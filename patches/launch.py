@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from patches.dumps import DumpSettings, default_aux_layer_ids
+from patches.dumps import RID_PREFIX, DumpSettings, default_aux_layer_ids
 from patches.sglang_hook import HookConfig, forward_hook_specs
 from patches.sglang_releases import Release, release
 
@@ -70,7 +70,7 @@ def dump_arg_parser() -> argparse.ArgumentParser:
                                 description="SGLang with the EAGLE-3 hidden-state dump hook.",
                                 usage="%(prog)s --dump-dir DIR [dump options] -- <sglang.launch_server arguments>")
     p.add_argument("--dump-dir", required=True, type=Path, help="existing folder the server writes dumps to")
-    p.add_argument("--dump-rid-prefix", default="eagle3-", help="only requests whose rid starts with this are dumped")
+    p.add_argument("--dump-rid-prefix", default=RID_PREFIX, help="only requests whose rid starts with this are dumped")
     p.add_argument("--dump-aux-layers", type=int, nargs="+", default=None,
                    help="HF hidden_states indices of the aux taps (default: EAGLE-3's [2, N//2, N-3])")
     p.add_argument("--dump-max-bytes", type=int, default=None, help="cap on the dump folder's size")

@@ -238,7 +238,8 @@ def test_template_variables_are_part_of_the_version():
 def test_template_variables_are_flow_parameters_with_fixed_defaults():
     from pydantic import ValidationError
 
-    from flows.extract import ExtractParameters, parse_args
+    from flows.extract import parse_args
+    from flows.parameters import ExtractParameters
 
     assert parse_args([]).template_variables() == TemplateVariables()
     given = parse_args(["--template-date", "2025-01-02", "--no-enable-thinking",

@@ -9,7 +9,8 @@ import pytest
 from pydantic import BaseModel
 
 from flows.cli import model_options
-from flows.extract import CLI, REPO, ExtractParameters, NodeOptions, ServerOptions, parse_args
+from flows.extract import CLI, parse_args
+from flows.parameters import REPO, ExtractParameters, NodeOptions, ServerOptions
 
 
 def leaf_fields(model, prefix=()):

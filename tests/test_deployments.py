@@ -21,7 +21,7 @@ from prefect.client.schemas.filters import (ArtifactFilter, ArtifactFilterFlowRu
 from prefect.deployments import run_deployment
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
-from flows.extract import REPO, ExtractParameters
+from flows.parameters import REPO, ExtractParameters
 from infra.server import free_port
 from tasks.prompts import prompt_files
 from tasks.retrieval import StageTimes

@@ -21,7 +21,8 @@ from prefect import get_client
 from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterName
 from transformers import AutoTokenizer
 
-from flows.extract import REPO, ExtractParameters, ServerOptions, extract
+from flows.extract import extract
+from flows.parameters import REPO, ExtractParameters, ServerOptions
 from infra.server import free_port
 from tasks.training_set import TrainingSetDataset
 from tests.ground_truth import final_norm_input, load_reference_model, reference_hidden_states
@@ -437,7 +438,7 @@ def test_a_server_killed_mid_run_is_restarted_and_nothing_is_lost(prefect_api, t
 
 
 def test_a_server_that_keeps_dying_fails_the_run_without_a_task_flood(prefect_api, tiny_model_dir, tmp_path):
-    from flows.extract import RunFailed
+    from flows.batches import RunFailed
 
     prompts = write_jsonl(tmp_path / "prompts.jsonl", conversations(24))
     out, kills = tmp_path / "out", []
@@ -458,7 +459,7 @@ def test_a_server_that_keeps_dying_fails_the_run_without_a_task_flood(prefect_ap
 
 
 def test_failures_past_the_budget_fail_the_run_and_spawn_no_sample_tasks(prefect_api, tiny_model_dir, tmp_path):
-    from flows.extract import RunFailed
+    from flows.batches import RunFailed
 
     rows = conversations(6, tag="budget")
     rows[1] = {"id": "over-budget", "messages": [
@@ -568,7 +569,7 @@ def test_a_hung_server_is_killed_and_restarted_and_nothing_is_lost(prefect_api, 
 
 
 def test_a_hung_server_past_the_restart_budget_fails_the_run_with_the_reason(prefect_api, tiny_model_dir, tmp_path):
-    from flows.extract import RunFailed
+    from flows.batches import RunFailed
 
     prompts = write_jsonl(tmp_path / "prompts.jsonl", conversations(24, tag="hung0"))
     out, stopped = tmp_path / "out", []

@@ -18,7 +18,7 @@ from prefect.client.schemas.sorting import LogSort
 from prefect.concurrency.sync import concurrency
 from prefect.exceptions import ObjectNotFound
 
-from flows.extract import REPO
+from flows.parameters import REPO
 from infra.node_slot import node_limit_name
 from tests.test_flow import conversations, write_jsonl
 

@@ -24,7 +24,8 @@ from prefect.client.schemas.sorting import FlowRunSort
 from prefect.logging.handlers import APILogWorker
 from transformers import AutoTokenizer
 
-from flows.extract import ExtractParameters, ServerOptions, extract
+from flows.extract import extract
+from flows.parameters import ExtractParameters, ServerOptions
 from infra.server import NonLoopbackRefused, ServerConfig, start_server
 from patches.launch import API_KEY_ENV, LaunchRefused, dump_arg_parser, plan_launch
 from patches.sglang_releases import SUPPORTED_RELEASES
@@ -117,7 +118,8 @@ def test_the_api_key_reaches_the_server_and_nothing_else(source, prefect_api, ti
 def test_a_saved_node_block_names_the_secret_block_and_the_flows_option_overrides_it(prefect_api, tmp_path):
     from prefect import flow
 
-    from flows.extract import NodeOptions, server_api_key
+    from flows.batches import server_api_key
+    from flows.parameters import NodeOptions
     from infra.node_block import SshNodeBlock
 
     Secret(value=KEY).save("eagle3-node-key", overwrite=True)

@@ -20,7 +20,9 @@ from prefect import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
 from transformers import AutoTokenizer
 
-from flows.extract import REPO, ExtractParameters, NodeNotReady, NodeOptions, ServerOptions, extract
+from flows.extract import extract
+from flows.node import NodeNotReady
+from flows.parameters import REPO, ExtractParameters, NodeOptions, ServerOptions
 from infra.server import ServerConfig, ServerStartError
 from infra.ssh import (HostKeyChanged, HostKeyUnknown, NodeCommandFailed, SshAuthFailed, SshHost, SshNode,
                         SshSettings)
@@ -434,7 +436,7 @@ def test_crash_and_cancellation_hooks_stop_the_servers_a_run_noted(prefect_api, 
     from prefect import get_client
     from prefect.states import Crashed
 
-    from flows.extract import record_node_server, stop_node_servers
+    from flows.node import record_node_server, stop_node_servers
     from infra.node_agent import group_alive
 
     out = tmp_path / "out"

@@ -18,7 +18,9 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from flows.extract import REPO, CannotRetry, ExtractParameters, RunFailed, ServerOptions, extract
+from flows.batches import RunFailed
+from flows.extract import CannotRetry, extract
+from flows.parameters import REPO, ExtractParameters, ServerOptions
 from tasks.training_set import TrainingSetDataset
 from tests.test_flow import conversations, write_jsonl
 
