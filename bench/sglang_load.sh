@@ -85,9 +85,13 @@ profile() {  # profile NAME DELAY: 8 s of the scheduler's stacks (native frames 
 }
 
 if [ "$WARM_SHM_GIB" -gt 0 ]; then
+    # no more than the file system holds (tmpfs defaults to half the memory), less 1 GiB
+    avail_gib=$(( $(df --output=avail -B1G "$DUMPS" | tail -n 1) - 1 ))
+    warm_gib=$(( WARM_SHM_GIB < avail_gib ? WARM_SHM_GIB : avail_gib ))
     t0=$(date +%s%N)
-    dd if=/dev/zero of="$DUMPS/warm-up" bs=64M count=$((WARM_SHM_GIB * 16)) status=none
-    log "wrote $WARM_SHM_GIB GiB to $DUMPS in $((($(date +%s%N) - t0) / 1000000)) ms"
+    dd if=/dev/zero of="$DUMPS/warm-up" bs=64M count=$((warm_gib * 16)) status=none || log "warm-up write failed"
+    log "wrote $(( $(stat -c %s "$DUMPS/warm-up") >> 30 )) GiB of $WARM_SHM_GIB asked ($avail_gib free) to $DUMPS" \
+        "in $((($(date +%s%N) - t0) / 1000000)) ms"
     rm -f "$DUMPS/warm-up"
 fi
 if [ "$UNPATCHED" = 1 ]; then
