@@ -27,6 +27,7 @@ from infra.server import free_port
 from tasks.training_set import TrainingSetDataset
 from tests.ground_truth import final_norm_input, load_reference_model, reference_hidden_states
 from tests.test_exports import read_with_speculators, speculators_rows
+from tests.waiting import wait_for
 
 
 def write_jsonl(path: Path, rows: list) -> Path:
@@ -197,13 +198,13 @@ def start_flow_process(prompts: Path, model_dir: Path, out: Path, log_path: Path
                                  str(model_dir), "--out", str(out), "--batch-size", "3", "--max-in-flight", "1",
                                  "--concurrent-batches", "1"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                                 env=env, start_new_session=True)  # its own group, as a terminal's foreground job
-    deadline = time.monotonic() + 300
-    while len(list(out.glob("versions/*/shards/*.safetensors"))) < shards:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError(f"the flow wrote fewer than {shards} shards (exit {proc.returncode}):\n"
-                                 f"{log_path.read_text()[-3000:]}")
-        time.sleep(0.05)
+    try:
+        wait_for(lambda: len(list(out.glob("versions/*/shards/*.safetensors"))) >= shards, 300,
+                 lambda: f"the flow wrote fewer than {shards} shards (exit {proc.returncode}):\n"
+                         f"{log_path.read_text()[-3000:]}", alive=lambda: proc.poll() is None, poll_s=0.05)
+    except AssertionError:
+        proc.kill()
+        raise
     return proc
 
 
@@ -317,15 +318,15 @@ def sample_task_run(source_id: str):
     wait for a final state rather than read a stale one.
     """
     name = f"sample-{source_id}"
-    deadline = time.monotonic() + 30
+    runs = []
+
+    def final_run():
+        runs[:] = client.read_task_runs(task_run_filter=TaskRunFilter(name=TaskRunFilterName(any_=[name])))
+        return runs[0] if len(runs) == 1 and runs[0].state is not None and runs[0].state.is_final() else None
+
     with get_client(sync_client=True) as client:
-        while True:
-            runs = client.read_task_runs(task_run_filter=TaskRunFilter(name=TaskRunFilterName(any_=[name])))
-            if len(runs) == 1 and runs[0].state is not None and runs[0].state.is_final():
-                return runs[0]
-            if time.monotonic() > deadline:
-                raise AssertionError(f"no final task run named {name}: {[(r.name, r.state) for r in runs]}")
-            time.sleep(0.2)
+        return wait_for(final_run, 30, lambda: f"no final task run named {name}: {[(r.name, r.state) for r in runs]}",
+                        poll_s=0.2)
 
 
 def test_a_sample_whose_dump_keeps_failing_is_retried_in_its_own_task(prefect_api, tiny_model_dir, tmp_path):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import random
 import subprocess
 import threading
-import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -16,6 +15,7 @@ import torch
 from infra.local_server import PrefixCache, Request, plan_step
 from patches.dumps import DumpIncomplete, DumpReader, DumpWriteFailed, default_aux_layer_ids
 from tests.ground_truth import final_norm_input, load_reference_model, reference_hidden_states
+from tests.waiting import wait_for
 
 CONTEXT_LENGTH = 512
 TOL = 1e-4
@@ -169,10 +169,8 @@ def test_flush_cache_refused_while_busy_then_defeats_reuse(careless):
 
 
 def wait_until_running(server, timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while requests.get(server.url + "/server_info", timeout=10).json()["scheduler"]["running"] == 0:
-        assert time.monotonic() < deadline, "the long request never started"
-        time.sleep(0.01)
+    wait_for(lambda: requests.get(server.url + "/server_info", timeout=10).json()["scheduler"]["running"], timeout,
+             lambda: "the long request never started", poll_s=0.01)
 
 
 def test_disabled_radix_cache_dumps_repeats_whole_and_only_prefixed_rids(careful, model):

@@ -21,6 +21,7 @@ from prefect.exceptions import ObjectNotFound
 from flows.parameters import REPO
 from infra.node_slot import node_limit_name
 from tests.test_flow import conversations, write_jsonl
+from tests.waiting import wait_for
 
 PREFECT = str(Path(sys.executable).parent / "prefect")
 
@@ -67,11 +68,9 @@ def test_two_runs_on_the_same_node_take_turns(prefect_api, tiny_model_dir, tmp_p
         # machine's speed (a run of 12 tiny samples can end before a second process has started).
         with concurrency(name, occupy=1, lease_duration=60, strict=True):
             procs = [start_run(prompts, tiny_model_dir, tmp_path / "a"), start_run(prompts, tiny_model_dir, tmp_path / "b")]
-            deadline = time.monotonic() + 300
-            while sum("taking" in slot_log(r.id) for r in flow_runs_since(started)) < 2:
-                assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, \
-                    [p.communicate()[0][-3000:] for p in procs if p.poll() is not None]
-                time.sleep(0.5)
+            wait_for(lambda: sum("taking" in slot_log(r.id) for r in flow_runs_since(started)) >= 2, 300,
+                     lambda: str([p.communicate()[0][-3000:] for p in procs if p.poll() is not None]),
+                     alive=lambda: all(p.poll() is None for p in procs), poll_s=0.5)
             time.sleep(1.5)  # both wait, for longer than the check below
         summaries = [finish(p) for p in procs]
         assert active_slots(name) == 0, "a finished run kept its slot"

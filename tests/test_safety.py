@@ -32,6 +32,7 @@ from patches.sglang_releases import SUPPORTED_RELEASES
 from tasks.dataset_version import LOCK_NAME, VersionBusy
 from tasks.prompts import PromptFileError, prepare_prompts
 from tests.test_flow import conversations, write_jsonl
+from tests.waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 KEY = "k3y-0f-th1s-test-7f3a9c"
@@ -197,10 +198,7 @@ def test_the_sglang_launcher_keeps_the_key_off_its_command_line_and_out_of_its_l
                                      "--", "--model-path", str(tiny_model_dir), "--host", "127.0.0.1"],
                                     cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        deadline = time.monotonic() + 60
-        while "ready" not in log_path.read_text():
-            assert launcher.poll() is None and time.monotonic() < deadline, log_path.read_text()
-            time.sleep(0.1)
+        wait_for(lambda: "ready" in log_path.read_text(), 60, log_path.read_text, alive=lambda: launcher.poll() is None)
         command_lines = subprocess.run(["ps", "-eww", "-o", "args"], capture_output=True, text=True).stdout
         assert "patches.sglang_serve" in command_lines and KEY not in command_lines
         launcher.terminate()  # the launcher alone, as a supervisor does: it passes SIGTERM on
@@ -319,10 +317,8 @@ def test_two_real_runs_on_one_version_take_turns(prefect_api, tiny_model_dir, tm
                                   str(tiny_model_dir), "--out", str(tmp_path / "out"), "--batch-size", "2"],
                                  cwd=REPO, stdout=subprocess.DEVNULL, stderr=stderr)
     try:
-        deadline = time.monotonic() + 300
-        while lock_pid(vdir) != first.pid:
-            assert first.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.1)
+        wait_for(lambda: lock_pid(vdir) == first.pid, 300, lambda: log.read_text()[-3000:],
+                 alive=lambda: first.poll() is None)
         second = extract(ExtractParameters(**base, version_wait_s=300))
         assert first.wait(300) == 0, log.read_text()[-3000:]
     finally:
