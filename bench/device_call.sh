@@ -36,8 +36,8 @@ case ${1:-} in
         ;;
     bench)
         [ -d "$SITE/sgl_kernel" ] && [ -d "$SITE/sglang" ] || { echo "SGLang is not installed in $SITE: the machine was replaced"; exit 3; }
-        # a copy outside the working tree, which the next call may replace under a running bench
         rm -f "$RUN/done"
+        # a copy outside the working tree, which the next call may replace under a running bench
         rm -rf /root/repo && mkdir /root/repo && tar --exclude=./.wheels -cf - . | tar -C /root/repo -xf - || exit 5
         (cd /root/repo && setsid nohup bash bench/sglang_load.sh > /root/bench.out 2>&1 < /dev/null &)
         wait_and_save "$2"
