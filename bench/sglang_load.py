@@ -220,10 +220,26 @@ def run_extract(args, facts, samples) -> dict:
             "failed": sum(f for _, f, _ in results), "shards_dir": str(args.shards), "stage_s": times.seconds, **check}
 
 
+def shard_samples(path: Path, every: int, hidden: int, device: str):
+    """((first row, end row), input ids, [taps..., final, pre-norm] in fp32) of every ``every``-th sample of a
+    shard. Read on the CPU and moved to ``device`` one sample at a time: a whole shard (~1.5 GB) beside the
+    server and both reference models does not fit an 80 GB card (run K, H100)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        offsets = f.get_tensor("offsets").tolist()
+        for n, (a, b) in enumerate(zip(offsets[:-1], offsets[1:])):
+            if n % every:
+                continue
+            ids, aux, final, prenorm = (f.get_slice(name)[a:b].to(device) for name in (
+                "input_ids", "aux_hidden_states", "final_hidden_states", "prenorm_hidden_states"))
+            yield (a, b), ids.unsqueeze(0), [t.float() for t in aux.split(hidden, dim=-1)] + [final.float(),
+                                                                                              prenorm.float()]
+
+
 @torch.no_grad()
 def check_shards(args, shards: list[Path]) -> dict:
     """Every sample of the shards against transformers on the GPU; each shard deleted once checked."""
-    from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
     layer_ids = default_aux_layer_ids(read_model_facts(args.model_path).num_layers)
@@ -239,41 +255,37 @@ def check_shards(args, shards: list[Path]) -> dict:
                                                                                                          args[0][0]))
     worst = {"bf16": [0.0] * 5, "fp32": [0.0] * 5}
     min_gap, checked, fp32_checked, wrong, examples = [float("inf")] * 3, 0, 0, 0, []
+    hidden = read_model_facts(args.model_path).hidden_size
     t0 = time.monotonic()
-    for path in shards:
-        with safe_open(str(path), framework="pt", device=device) as f:
-            offsets = f.get_tensor("offsets").tolist()
-            ids_all, aux_all, fin_all, pre_all = (f.get_tensor(n) for n in ("input_ids", "aux_hidden_states",
-                                                                            "final_hidden_states",
-                                                                            "prenorm_hidden_states"))
-        for n, (a, b) in enumerate(zip(offsets[:-1], offsets[1:])):
-            if n % args.check_every:
-                continue
-            ids = ids_all[a:b].unsqueeze(0)
-            h = fin_all.shape[1]
-            got = [t.float() for t in aux_all[a:b].split(h, dim=-1)] + [fin_all[a:b].float(), pre_all[a:b].float()]
-            refs = {"bf16": bf16(ids, output_hidden_states=True).hidden_states}
-            if checked % args.fp32_every == 0:
-                refs["fp32"] = fp32(ids, output_hidden_states=True).hidden_states
-                fp32_checked += 1
-            hs = [x[0].float() for x in refs["bf16"]]
-            gaps = [min(float((hs[i] - hs[j]).abs().max()) for j in (i - 1, i + 1)) for i in layer_ids]
-            min_gap = [min(x, y) for x, y in zip(min_gap, gaps)]
-            bad = False
-            for name, ref in refs.items():
-                want = [ref[i][0].float() for i in layer_ids] + [ref[-1][0].float(), norm_input[name].float()]
-                errs = [float((g - w).abs().max()) for g, w in zip(got, want)]
-                worst[name] = [max(x, y) for x, y in zip(worst[name], errs)]
-                # a tap is wrong when it is nearer another layer than its own; a final state (no
-                # neighbour to confuse it with) when its error is an eighth of its own largest value
-                # (bf16 rounding is ~1%; another request's state is off by its whole size)
-                limits = [g / 4 for g in gaps] + [float(w.abs().max()) / 8 for w in want[-2:]]
-                bad |= any(e > limit for e, limit in zip(errs, limits))
-                if bad and len(examples) < 5:
-                    examples.append({"shard": path.name, "rows": [a, b], "ref": name, "errors": errs, "gaps": gaps})
-            wrong += bad
-            checked += 1
-        path.unlink()
+    try:
+        for path in shards:
+            for (a, b), ids, got in shard_samples(path, args.check_every, hidden, device):
+                refs = {"bf16": bf16(ids, output_hidden_states=True).hidden_states}
+                if checked % args.fp32_every == 0:
+                    refs["fp32"] = fp32(ids, output_hidden_states=True).hidden_states
+                    fp32_checked += 1
+                hs = [x[0].float() for x in refs["bf16"]]
+                gaps = [min(float((hs[i] - hs[j]).abs().max()) for j in (i - 1, i + 1)) for i in layer_ids]
+                min_gap = [min(x, y) for x, y in zip(min_gap, gaps)]
+                bad = False
+                for name, ref in refs.items():
+                    want = [ref[i][0].float() for i in layer_ids] + [ref[-1][0].float(), norm_input[name].float()]
+                    errs = [float((g - w).abs().max()) for g, w in zip(got, want)]
+                    worst[name] = [max(x, y) for x, y in zip(worst[name], errs)]
+                    # a tap is wrong when it is nearer another layer than its own; a final state (no
+                    # neighbour to confuse it with) when its error is an eighth of its own largest value
+                    # (bf16 rounding is ~1%; another request's state is off by its whole size)
+                    limits = [g / 4 for g in gaps] + [float(w.abs().max()) / 8 for w in want[-2:]]
+                    bad |= any(e > limit for e, limit in zip(errs, limits))
+                    if bad and len(examples) < 5:
+                        examples.append({"shard": path.name, "rows": [a, b], "ref": name, "errors": errs,
+                                         "gaps": gaps})
+                wrong += bad
+                checked += 1
+            path.unlink()
+    finally:  # a check that stops early must not leave ~35 GB of shards in the next phase's memory (run K)
+        for path in shards:
+            path.unlink(missing_ok=True)
     return {"checked": checked, "fp32_checked": fp32_checked, "wrong": wrong, "check_s": time.monotonic() - t0,
             "max_err_bf16_ref": worst["bf16"], "max_err_fp32_ref": worst["fp32"], "min_neighbour_gap": min_gap,
             "wrong_examples": examples}
