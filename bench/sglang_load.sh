@@ -18,6 +18,7 @@ WARM_SHM_GIB=${WARM_SHM_GIB:-0}  # GiB written to and deleted from $DUMPS's file
 RUNS=${RUNS:-1 2}           # patched server starts
 CONSUME=${CONSUME:-1}       # 0: no consume-only phase
 CHECK_EVERY=${CHECK_EVERY:-1}
+FP32_EVERY=${FP32_EVERY:-4}             # of the checked samples, every n-th also against the fp32 reference
 IN_FLIGHT=${IN_FLIGHT:-64}              # requests in flight (extract; consume unless CONSUME_IN_FLIGHT)
 CONSUME_IN_FLIGHT=${CONSUME_IN_FLIGHT:-$IN_FLIGHT}  # one consume phase per value
 READERS=${READERS:-8}                   # reader processes (0: the request threads read); 12 was best without a server
@@ -55,7 +56,7 @@ fi
 SERVER_FLAGS=(--model-path "$MODEL" --port 30000 --attention-backend triton --sampling-backend pytorch
               --chunked-prefill-size 4096 --mem-fraction-static 0.6 --dtype bfloat16)
 COMMON=(--model-path "$MODEL" --dump-dir "$DUMPS" --samples "$SAMPLES" --results "$RESULTS"
-        --check-every "$CHECK_EVERY" --max-dump-bytes-in-flight "$BYTES_IN_FLIGHT")
+        --check-every "$CHECK_EVERY" --fp32-every "$FP32_EVERY" --max-dump-bytes-in-flight "$BYTES_IN_FLIGHT")
 
 start() {  # start NAME CMD...: in its own process group, healthy within 400 s
     local name=$1; shift
