@@ -16,6 +16,9 @@ to the last answer (``prefill``) or to the last dump consumed (``consume``) or s
 (``extract``). Over the same wall time, the CPU cores in use: the whole node, SGLang's
 scheduler process (its main thread, which launches the forwards, and its other threads,
 the dump writers among them) and this client (its reader processes included).
+Each phase also keeps when every request was at the server (``timeline``): the requests the
+server held, second by second, and the longest dump waits, which tell a phase slowed by the
+server from one whose client sent too little.
 
 The check compares each accepted sample with a transformers forward of its ids on the GPU,
 in bf16 (every sample) and in fp32 (every ``--fp32-every``-th): per tap the max abs error,
@@ -36,7 +39,8 @@ import time
 import uuid
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import requests
@@ -64,6 +68,50 @@ class AttemptErrors(logging.Handler):
             self.counts[name] += 1
             if len(self.examples) < 5:
                 self.examples.append(record.getMessage()[:400])
+
+
+class Timeline(StageTimes):
+    """Stage times that also keep when each stage ran, to see where a phase's wall time goes: how many
+    requests the server held second by second, and whether the end waits on a few stragglers."""
+
+    def __init__(self):
+        super().__init__()
+        self.spans: list[tuple[str, float, float]] = []  # (stage, start, end), time.monotonic()
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        start = time.monotonic()
+        try:
+            with super().stage(name):
+                yield
+        finally:
+            with self._lock:
+                self.spans.append((name, start, time.monotonic()))
+
+    def summary(self, t0: float, wall_s: float) -> dict:
+        """Per second of the phase: requests at the server and samples waiting for their dump (means), and answers;
+        the last answer's time; the five longest dump waits and server stages (seconds, and when they ended)."""
+        spans = [(name, a - t0, b - t0) for name, a, b in self.spans]
+        seconds = int(wall_s) + 1
+
+        def mean_held(stage: str) -> list[float]:
+            held = [0.0] * seconds
+            for name, a, b in spans:
+                if name != stage:
+                    continue
+                for k in range(max(0, int(a)), min(seconds, int(b) + 1)):
+                    held[k] += max(0.0, min(b, k + 1) - max(a, k))
+            return [round(x / (min(k + 1, wall_s) - k), 1) for k, x in enumerate(held)]  # the last second is partial
+        answers = [0] * seconds
+        for name, _, b in spans:
+            if name == "server":
+                answers[min(seconds - 1, max(0, int(b)))] += 1
+
+        def longest(stage: str) -> list[tuple[float, float]]:
+            return sorted(((round(b - a, 3), round(b, 2)) for name, a, b in spans if name == stage), reverse=True)[:5]
+        return {"at_server": mean_held("server"), "dump_wait": mean_held("dump wait"), "answers": answers,
+                "last_answer_s": round(max((b for name, _, b in spans if name == "server"), default=0.0), 2),
+                "longest_dump_waits": longest("dump wait"), "longest_server": longest("server")}
 
 
 def make_prompts(n: int, seed: int, vocab: int, min_tokens: int, max_tokens: int) -> list[PreparedSample]:
@@ -144,10 +192,10 @@ def cpu_cores(before: dict[str, int], wall_s: float) -> dict[str, float]:
 
 def run_prefill(args, facts, samples) -> dict:
     settings = settings_for(args, facts)
-    cached = []
+    cached, times = [], Timeline()
 
     def send(sample: PreparedSample):
-        with requests.Session() as session:
+        with requests.Session() as session, times.stage("server"):
             meta = send_generate(settings, sample, f"{args.rid_prefix}{uuid.uuid4().hex}", session)
         cached.append(int(meta.get("cached_tokens", 0)))
 
@@ -155,7 +203,8 @@ def run_prefill(args, facts, samples) -> dict:
     with ThreadPoolExecutor(args.in_flight) as pool:
         list(pool.map(send, samples))
     wall = time.monotonic() - t0
-    return {"wall_s": wall, "cores": cpu_cores(cpu, wall), "written": len(samples), "cached_tokens": sum(cached)}
+    return {"wall_s": wall, "cores": cpu_cores(cpu, wall), "written": len(samples), "cached_tokens": sum(cached),
+            "timeline": times.summary(t0, wall)}
 
 
 def reader_pool(args):
@@ -174,7 +223,7 @@ def run_consume(args, facts, samples) -> dict:
     session = requests.Session()
     session.mount("http://", requests.adapters.HTTPAdapter(pool_maxsize=args.in_flight))
 
-    times = StageTimes()
+    times = Timeline()
 
     with reader_pool(args) as readers:
         read = into_shard(settings.expected, reader, None, readers)
@@ -187,7 +236,8 @@ def run_consume(args, facts, samples) -> dict:
             ok = list(pool.map(consume, samples))
         wall = time.monotonic() - t0
         cores = cpu_cores(cpu, wall)
-    return {"wall_s": wall, "cores": cores, "written": sum(ok), "failed": len(ok) - sum(ok), "stage_s": times.seconds}
+    return {"wall_s": wall, "cores": cores, "written": sum(ok), "failed": len(ok) - sum(ok), "stage_s": times.seconds,
+            "timeline": times.summary(t0, wall)}
 
 
 def run_extract(args, facts, samples) -> dict:
@@ -195,7 +245,7 @@ def run_extract(args, facts, samples) -> dict:
     limit = InFlightLimit(args.in_flight, args.max_dump_bytes_in_flight)
     args.shards.mkdir(parents=True, exist_ok=True)
     batches = [samples[i:i + args.batch_size] for i in range(0, len(samples), args.batch_size)]
-    times = StageTimes()
+    times = Timeline()
 
     with reader_pool(args) as readers:
         def batch(index: int) -> tuple[int, int, Path | None]:
@@ -217,7 +267,8 @@ def run_extract(args, facts, samples) -> dict:
         for path in shards:
             path.unlink()
     return {"wall_s": wall, "cores": cores, "written": sum(w for w, _, _ in results),
-            "failed": sum(f for _, f, _ in results), "shards_dir": str(args.shards), "stage_s": times.seconds, **check}
+            "failed": sum(f for _, f, _ in results), "shards_dir": str(args.shards), "stage_s": times.seconds,
+            "timeline": times.summary(t0, wall), **check}
 
 
 def shard_samples(path: Path, every: int, hidden: int, device: str):
@@ -308,6 +359,14 @@ def report(path: Path) -> str:
         lines.append(f"| {r['label']} | {r['phase']} | {r.get('in_flight', '-')} | {r.get('reader_processes', 0)} | {r['samples']} | {r['written']} | "
                      f"{r['tokens']:,} | {r['tokens_per_s']:,.0f} | {rel} | {stages} | {attempts} | {check} | "
                      f"{r.get('wrong', '-')} | {cores} |")
+    timed = [r for r in rows if "timeline" in r]
+    if timed:
+        lines += ["", "Requests at the server, mean of each second (the last answer at; the longest dump waits, s @ s):", ""]
+        for r in timed:
+            t = r["timeline"]
+            waits = ", ".join(f"{w} @ {at}" for w, at in t["longest_dump_waits"][:3]) or "-"
+            lines.append(f"- {r['label']} {r['phase']} ({r['wall_s']:.2f} s): {' '.join(map(str, t['at_server']))}; "
+                         f"last answer {t['last_answer_s']} s; dump waits {waits}")
     return "\n".join(lines)
 
 
