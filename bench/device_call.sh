@@ -12,7 +12,7 @@ SITE=${SITE:-/root/site}
 RUN=${RUN:-/root/load}
 OUT=${OUT:?OUT is set by the run tool}
 save() {
-    for f in results.jsonl progress.log vmstat.log table.md; do [ -f "$RUN/$f" ] && cp "$RUN/$f" "$OUT/"; done
+    for f in results.jsonl progress.log vmstat.log table.md writer.log; do [ -f "$RUN/$f" ] && cp "$RUN/$f" "$OUT/"; done
     [ -f "$RUN/phases.log" ] && tail -n 200 "$RUN/phases.log" > "$OUT/phases-tail.log"
     [ -f /root/bench.out ] && tail -n 50 /root/bench.out > "$OUT/bench-out.log"
     return 0

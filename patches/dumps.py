@@ -56,6 +56,7 @@ standard library only.
 from __future__ import annotations
 
 import array
+import gc
 import hashlib
 import json
 import logging
@@ -290,6 +291,7 @@ class _Piece:
     row_checksums: torch.Tensor  # int64 [n, groups]: row_checksums of the values at capture
     ready: object | None  # a torch.cuda.Event to wait on before reading the host tensors
     nbytes: int
+    queued_at: float  # time.monotonic() at submit
 
 
 class DumpWriter:
@@ -305,6 +307,9 @@ class DumpWriter:
 
     #: failed rids remembered (oldest forgotten first); far more than requests in flight
     failed_rids_kept = 4096
+    #: a piece that lands later than this after its submit is logged (a piece lands within ~0.1 s under
+    #: load; at the end of a load run one piece landed 3.7-4.7 s late, cause unknown: results file, run O)
+    slow_piece_s = 1.0
 
     def __init__(self, settings: DumpSettings):
         self.settings = settings
@@ -361,7 +366,7 @@ class DumpWriter:
             return False
         piece = _Piece(rid, chunk_start, prompt_len, prompt_hash, forward_mode,
                        input_ids, aux_hidden_states, final_hidden_states, prenorm_hidden_states, row_checksums,
-                       ready, nbytes)
+                       ready, nbytes, time.monotonic())
         try:
             self._queues[zlib.crc32(rid.encode()) % len(self._queues)].put_nowait(piece)
         except queue.Full:
@@ -410,8 +415,10 @@ class DumpWriter:
                     self._pending_bytes -= piece.nbytes
 
     def _write(self, piece: _Piece) -> None:
+        taken = time.monotonic()
         if piece.ready is not None:
             piece.ready.synchronize()
+        copied = time.monotonic()
         s = self.settings
         meta = {
             "format": DUMP_FORMAT, "version": DUMP_VERSION, "rid": piece.rid,
@@ -436,6 +443,13 @@ class DumpWriter:
         with self._lock:
             self.written += 1
             self.written_bytes += size
+        landed = time.monotonic()
+        if landed - piece.queued_at > self.slow_piece_s:
+            # the split says where the time went: the queue (other pieces), the copy (GPU side), the write
+            log.warning("dump writer: piece %s (%d bytes) landed %.2f s after it was queued: %.2f s queued, "
+                        "%.2f s waiting for its copy, %.2f s writing; gc counts %s", name, size,
+                        landed - piece.queued_at, taken - piece.queued_at, copied - taken, landed - copied,
+                        gc.get_count())
 
     def _drop_if_failed(self, rid: str) -> bool:
         with self._lock:

@@ -18,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from patches.capture import PieceRows, capture_pieces
 from patches.dumps import (DumpCorrupt, DumpDuplicate, DumpIncomplete, DumpMissing, DumpOverlap, DumpReader,
                            DumpWriteFailed, prompt_hash, safe_rid)
 from tests.dump_support import H, make_writer, submit
@@ -180,6 +181,27 @@ def test_vanished_folder_is_logged_and_counted_not_raised(tmp_path):
     writer.close()
     stats = writer.stats()
     assert stats["refused"] == 1 and stats["written"] == 0 and "eagle3-gone" in stats["last_error"]
+
+
+def test_a_piece_that_lands_late_is_logged_with_where_its_time_went(tmp_path, caplog):
+    class SlowCopy:  # stands in for the CUDA event of a device-to-host copy that completes late
+        def synchronize(self):
+            time.sleep(0.3)
+
+    writer = make_writer(tmp_path)
+    writer.slow_piece_s = 0.2
+    ids = torch.tensor(IDS)
+    piece = PieceRows("eagle3-late", 0, 0, len(IDS), len(IDS), prompt_hash(IDS))
+    with caplog.at_level("WARNING", logger="patches.dumps"):
+        submit(writer, "eagle3-prompt", IDS, 0, 37)  # lands at once: not logged
+        capture_pieces(writer, [piece], ids, list(torch.randn(len(IDS), 3 * H).split(H, -1)), torch.randn(len(IDS), H),
+                       torch.randn(len(IDS), H), transfer=lambda tensors: (list(tensors), SlowCopy()))
+        writer.close()
+    late = [r.getMessage() for r in caplog.records if "landed" in r.getMessage()]
+    assert len(late) == 1 and "eagle3-late" in late[0], late
+    waited = float(late[0].split(" s waiting for its copy")[0].rsplit(", ", 1)[1])
+    assert waited >= 0.3
+    assert DumpReader(tmp_path).assemble("eagle3-late", IDS).rid == "eagle3-late"  # late, and still whole
 
 
 # --------------------------------------------------------------------------- rids that look alike
