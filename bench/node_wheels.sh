@@ -40,9 +40,15 @@ with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(slimmed, "w", zipfile.ZIP_DE
 os.replace(slimmed, wheel)
 PY
 }
+one() {  # one GLOB-MATCHES...: the single match (an older wheel left in the folder would be slimmed as a pattern)
+    [ $# = 1 ] && [ -f "$1" ] || { echo "expected one wheel, found: $*" >&2; return 1; }
+    echo "$1"
+}
 download "$DIR/part1" "${PART1[@]}"
 download "$DIR/part2" "${PART2[@]}"
 # FlashAttention-3 (326 MiB; the bench runs --attention-backend triton) and the Blackwell ops (loaded only off sm90)
-slim "$DIR"/part1/sglang_kernel-*.whl 'sgl_kernel/flash_ops.abi3.so' 'sgl_kernel/sm100/*'
-slim "$DIR"/part1/xgrammar-*.whl 'xgrammar/lib/libxgrammar.a'   # a static library, unused from Python
+kernel=$(one "$DIR"/part1/sglang_kernel-*.whl)
+xgrammar=$(one "$DIR"/part1/xgrammar-*.whl)
+slim "$kernel" 'sgl_kernel/flash_ops.abi3.so' 'sgl_kernel/sm100/*'
+slim "$xgrammar" 'xgrammar/lib/libxgrammar.a'   # a static library, unused from Python
 du -sh "$DIR"/part1 "$DIR"/part2
