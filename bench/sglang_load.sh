@@ -147,8 +147,8 @@ for run in $RUNS; do
             fi
         fi
         log "leftover dump files: $(ls "$DUMPS" | wc -l)"
-        # the writer's own lines (late pieces, refusals), for the caller to bring back
-        grep -h 'dump writer' "$RUN/server-patched-$run.log" | sed "s/^/patched-$run: /" | tail -n 200 >> "$RUN/writer.log"
+        # the writer's own lines (late pieces, refusals) and long collections, for the caller to bring back
+        grep -h -e 'dump writer' -e 'garbage collection' "$RUN/server-patched-$run.log" | sed "s/^/patched-$run: /" | tail -n 200 >> "$RUN/writer.log"
     fi
     stop
 done

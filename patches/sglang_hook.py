@@ -42,9 +42,11 @@ imported only inside the factories, which run in the server.
 from __future__ import annotations
 
 import collections
+import gc
 import importlib
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -204,6 +206,28 @@ def forward_hook_specs(config: HookConfig) -> list[dict]:
 # --------------------------------------------------------------------------- inside the server
 
 
+def long_collection_logger(threshold_s: float) -> Callable[[str, dict], None]:
+    """A ``gc.callbacks`` entry that logs each garbage collection longer than ``threshold_s``: it stops
+    the forward and the dump writer's threads alike (SGLang 0.5.17 logs long collections only in its
+    tokenizer process, not in the scheduler, where the writer runs)."""
+    started: dict[object, float] = {}
+
+    def callback(phase: str, info: dict) -> None:
+        generation = info.get("generation")
+        if phase == "start":
+            started[generation] = time.monotonic()
+        elif generation in started:
+            took = time.monotonic() - started.pop(generation)
+            if took > threshold_s:
+                log.warning("eagle3 dump hook: a generation-%s garbage collection stopped this process for %.2f s "
+                            "(%s objects collected)", generation, took, info.get("collected"))
+    return callback
+
+
+#: collections logged when longer (a forward of 64 prompts takes ~0.8 s; a dump lands within ~0.1 s)
+LONG_COLLECTION_S = 0.2
+
+
 class _ProcessState:
     """One per server process: the writer (on the writing rank) and the init_new wrapper."""
 
@@ -218,6 +242,7 @@ class _ProcessState:
         self.warned_unnoted = False
         if self.writer is not None:
             _wrap_init_new(self)
+            gc.callbacks.append(long_collection_logger(LONG_COLLECTION_S))
         log.info("eagle3 dump hook: attention-TP rank %d %s dumps of rids %r to %s (layers %s, aux %s)",
                  self.attn_tp_rank, "writes" if self.writer else "does not write", config.dump.rid_prefix,
                  config.dump.dump_dir, list(config.dump.layer_ids), config.aux_capture)

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from patches import launch
 from patches.dumps import DumpReader, DumpSettings, DumpWriteFailed, DumpWriter, default_aux_layer_ids, prompt_hash
-from patches.sglang_hook import HookConfig, PromptInfo, dump_extend_batch, forward_hook_specs
+from patches.sglang_hook import HookConfig, PromptInfo, dump_extend_batch, forward_hook_specs, long_collection_logger
 from patches.sglang_releases import SUPPORTED_RELEASES, UnsupportedSGLangRelease, release
 from tests.ground_truth import final_norm_input
 
@@ -142,6 +142,23 @@ def _plan(version, tmp_path, server_argv, dump_argv=(), model=("LlamaForCausalLM
 
 def _hooks(plan):
     return json.loads(plan.argv[plan.argv.index("--forward-hooks") + 1])
+
+
+def test_a_garbage_collection_longer_than_the_threshold_is_logged(caplog):
+    import gc
+
+    for threshold, logged in ((60.0, 0), (0.0, 1)):
+        callback = long_collection_logger(threshold)
+        gc.callbacks.append(callback)
+        try:
+            with caplog.at_level("WARNING", logger="patches.sglang_hook"):
+                caplog.clear()
+                gc.collect()  # a real, full collection
+        finally:
+            gc.callbacks.remove(callback)
+        lines = [r.getMessage() for r in caplog.records if "garbage collection" in r.getMessage()]
+        assert len(lines) == logged, (threshold, lines)
+    assert "generation-2" in lines[0]
 
 
 def test_launch_on_0_5_23_uses_sglangs_capture_and_disables_the_prefill_graph(tmp_path):
