@@ -45,6 +45,7 @@ import collections
 import gc
 import importlib
 import logging
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -218,7 +219,7 @@ def long_collection_logger(threshold_s: float) -> Callable[[str, dict], None]:
             started[generation] = time.monotonic()
         elif generation in started:
             took = time.monotonic() - started.pop(generation)
-            if took > threshold_s:
+            if took > threshold_s and not sys.is_finalizing():  # at exit the handlers may be closed already
                 log.warning("eagle3 dump hook: a generation-%s garbage collection stopped this process for %.2f s "
                             "(%s objects collected)", generation, took, info.get("collected"))
     return callback

@@ -236,10 +236,22 @@ def test_the_launcher_reads_the_local_models_config(tmp_path, tiny_model_dir):
     assert plan.hook_config.dump.layer_ids == tuple(default_aux_layer_ids(8))
 
 
+@pytest.fixture
+def gc_callbacks_restored():
+    """The process state's long-collection logger goes when the test does (gc.callbacks is the
+    interpreter's own list: monkeypatch cannot swap it)."""
+    import gc
+
+    before = list(gc.callbacks)
+    yield
+    gc.callbacks[:] = before
+
+
 @pytest.mark.parametrize("aux_capture, norm_output_reaches_logits", [
     ("layer_hooks", True), ("builtin", True), ("builtin", False)])
 def test_the_in_server_hooks_dump_through_a_runners_copy_of_the_forward_batch(tmp_path, truth, monkeypatch,
-                                                                              aux_capture, norm_output_reaches_logits):
+                                                                              aux_capture, norm_output_reaches_logits,
+                                                                              gc_callbacks_restored):
     """The factories' path, from ForwardBatch.init_new through the final-norm hook to the logits hook,
     on 0.5.17's layer hooks and on 0.5.23's builtin aux capture.
 
