@@ -9,7 +9,7 @@ and torch calls. At the end of a load run one piece landed seconds late (results
 this tests whether a main thread spinning in Python explains it. A burst of pieces (a forward's
 worth) is queued on a :class:`patches.dumps.DumpWriter`, their copies "complete" at once, and
 the main thread either spins in Python or sleeps in a blocking call until every piece is on
-disk; the table gives the seconds. On the 2-core CI machine both took 1-2 s for 48 pieces
+disk; the table gives the seconds. On a 2-core CPU machine (2026-12-06) both took 1-2 s for 48 pieces
 (1.9 GiB): the spin alone does not explain a seconds-late piece.
 """
 

@@ -7,6 +7,7 @@ dump can be compared with the model's own hidden states.
 
 from __future__ import annotations
 
+import gc
 import json
 
 import pytest
@@ -145,8 +146,6 @@ def _hooks(plan):
 
 
 def test_a_garbage_collection_longer_than_the_threshold_is_logged(caplog):
-    import gc
-
     for threshold, logged in ((60.0, 0), (0.0, 1)):
         callback = long_collection_logger(threshold)
         gc.callbacks.append(callback)
@@ -240,8 +239,6 @@ def test_the_launcher_reads_the_local_models_config(tmp_path, tiny_model_dir):
 def gc_callbacks_restored():
     """The process state's long-collection logger goes when the test does (gc.callbacks is the
     interpreter's own list: monkeypatch cannot swap it)."""
-    import gc
-
     before = list(gc.callbacks)
     yield
     gc.callbacks[:] = before
