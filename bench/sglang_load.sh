@@ -54,7 +54,8 @@ if [ -n "$DUMP_READ" ]; then
         || log "dump_read reported a problem"
 fi
 SERVER_FLAGS=(--model-path "$MODEL" --port 30000 --attention-backend triton --sampling-backend pytorch
-              --chunked-prefill-size 4096 --mem-fraction-static 0.6 --dtype bfloat16)
+              --chunked-prefill-size 4096 --mem-fraction-static 0.6 --dtype bfloat16
+              --sleep-on-idle)  # both servers alike; patches.launch would add it to the patched one
 COMMON=(--model-path "$MODEL" --dump-dir "$DUMPS" --samples "$SAMPLES" --results "$RESULTS"
         --check-every "$CHECK_EVERY" --fp32-every "$FP32_EVERY" --max-dump-bytes-in-flight "$BYTES_IN_FLIGHT")
 

@@ -1,16 +1,18 @@
 """Whether a server process's busy main thread delays the dump writer: a burst of pieces, timed to the last.
 
-    python -m bench.writer_idle [--hidden 4096] [--pieces 64] [--tokens 1024] [--writer-threads 12]
+    python -m bench.writer_idle [--hidden 4096] [--pieces 8] [--tokens 1024] [--writer-threads 8]
 
 SGLang 0.5.17's scheduler, once it has no request, loops in Python (pool checks, metrics, a
 load snapshot) unless started with ``--sleep-on-idle``, which parks it in ``zmq.Poller.poll``.
-The dump writer's threads live in that process and need the GIL between their system calls
-and torch calls. At the end of a load run one piece landed seconds late (results file, run O);
-this tests whether a main thread spinning in Python explains it. A burst of pieces (a forward's
-worth) is queued on a :class:`patches.dumps.DumpWriter`, their copies "complete" at once, and
-the main thread either spins in Python or sleeps in a blocking call until every piece is on
-disk; the table gives the seconds. On a 2-core CPU machine (2026-12-06) both took 1-2 s for 48 pieces
-(1.9 GiB): the spin alone does not explain a seconds-late piece.
+The dump writer's threads live in that process and need the GIL after every call that gave it
+up; beside a thread running Python, each such call waits up to a switch interval (5 ms) to get
+it back. A burst of pieces (a forward's worth, one per writer thread) is queued on a
+:class:`patches.dumps.DumpWriter`, their copies "complete" at once, and the main thread either
+spins in Python or sleeps in a blocking call until every piece is on disk; the table gives the
+seconds. On a 2-core CPU machine (2026-12-07, 8 pieces of 1024 tokens, 8 threads, 5 repeats): with
+~30 torch calls and buffered writes per piece, 0.07-0.11 s asleep and 0.13-0.37 s spinning; with
+the writer's one ``writev`` and no torch call (commit after 38ad9c1), 0.07-0.11 s either way.
+With 12 threads for 48 pieces the two cores, not the GIL, set the time (1-2 s both ways).
 """
 
 from __future__ import annotations
@@ -74,10 +76,10 @@ def burst(folder: Path, args, idle: str) -> float:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hidden", type=int, default=4096)
-    ap.add_argument("--pieces", type=int, default=64)
+    ap.add_argument("--pieces", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=1024)
-    ap.add_argument("--writer-threads", type=int, default=12)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--writer-threads", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--dump-dir", type=Path, default=Path("/dev/shm") if Path("/dev/shm").is_dir() else None)
     args = ap.parse_args(argv)
     folder = Path(tempfile.mkdtemp(prefix="writer-idle-", dir=args.dump_dir))

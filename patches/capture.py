@@ -10,7 +10,9 @@ forward, on the forward's own stream:
    and their memory reused, as soon as the hook returns). A device-to-device copy at
    HBM speed costs ~0.1% of the forward.
 2. **Checksum**: the per-row integer sums of :func:`patches.dumps.row_checksums` over the
-   snapshot, on the same stream, so they describe exactly the values the forward produced.
+   snapshot, on the same stream, so they describe exactly the values the forward produced;
+   their running sums (:func:`patches.dumps.checksum_prefix`) give every piece its checksum
+   from two rows, in a few kernels for the whole forward.
 3. **Transfer** (:class:`SideStreamTransfer`): a side stream waits for the forward's stream
    (a GPU-side dependency, the scheduler never blocks), copies snapshot and checksums into
    pinned host memory, and records an event the writer thread waits on. ``record_stream``
@@ -19,6 +21,10 @@ forward, on the forward's own stream:
    event busy-waits, and a writer thread takes its piece when the forward is *launched*,
    up to a forward or two before the GPU gets there: several writer threads then spin at
    full speed, on the cores the scheduler, the tokenizer and the client need.
+
+4. **Queue**: the host tensors become numpy byte views once per forward
+   (:class:`patches.dumps.ForwardRows`); each piece is a row range of them, which a writer
+   thread writes without a torch call.
 
 The reader recomputes the checksum from the bytes it read; whatever went wrong between
 steps 2 and the file (a racing copy, a torn write) is a corrupt dump, never a sample.
@@ -33,7 +39,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from patches.dumps import DumpWriter, row_checksums
+from patches.dumps import DumpWriter, ForwardRows, checksum_prefix, row_checksums
 
 #: (owned snapshot tensors) -> (host tensors valid once the event is, the event or None)
 Transfer = Callable[[Sequence[torch.Tensor]], tuple[list[torch.Tensor], object | None]]
@@ -102,16 +108,14 @@ def capture_pieces(writer: DumpWriter, pieces: Sequence[PieceRows], input_ids: t
     aux = torch.cat([torch.cat([a[s] for s in spans]) for a in aux_parts], dim=-1)
     fin = torch.cat([final[s] for s in spans])
     pre = torch.cat([prenorm[s] for s in spans])
-    sums = row_checksums(ids, aux, fin, pre, len(aux_parts))
-    (ids, aux, fin, pre, sums), ready = transfer([ids, aux, fin, pre, sums])
+    prefix = checksum_prefix(row_checksums(ids, aux, fin, pre, len(aux_parts)))
+    (ids, aux, fin, pre, prefix), ready = transfer([ids, aux, fin, pre, prefix])
+    rows = ForwardRows.of(ids, aux, fin, pre, prefix, len(aux_parts), ready)
     queued, row = [], 0
     for p in pieces:
         n = p.row_end - p.row_start
-        rows = slice(row, row + n)
-        if writer.submit(p.rid, chunk_start=p.chunk_start, input_ids=ids[rows], prompt_len=p.prompt_len,
-                         prompt_hash=p.prompt_hash, aux_hidden_states=aux[rows], final_hidden_states=fin[rows],
-                         prenorm_hidden_states=pre[rows],
-                         row_checksums=sums[rows], forward_mode=p.forward_mode, ready=ready):
+        if writer.submit(p.rid, rows, row, row + n, chunk_start=p.chunk_start, prompt_len=p.prompt_len,
+                         prompt_hash=p.prompt_hash, forward_mode=p.forward_mode):
             queued.append(p.rid)
         row += n
     return queued

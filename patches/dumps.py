@@ -182,6 +182,24 @@ def fold_checksums(rows: torch.Tensor) -> list[int]:
     return torch.cat([rows.sum(dim=0), (rows * weights).sum(dim=0)]).tolist()
 
 
+def checksum_prefix(rows: torch.Tensor) -> torch.Tensor:
+    """Running sums of a forward's :func:`row_checksums` ``[R, g]``, from which any run of its rows
+    gets its :func:`fold_checksums` in O(1) (:func:`fold_from_prefix`): ``[R + 1, 2g]`` int64, row k the
+    sums over rows before k of the row sums, then of row sum x (row + 1). Wraps modulo 2**64 as the fold does."""
+    weights = torch.arange(1, rows.shape[0] + 1, dtype=torch.int64, device=rows.device).unsqueeze(1)
+    running = torch.cat([rows, rows * weights], dim=1).cumsum(dim=0)
+    return torch.cat([running.new_zeros(1, running.shape[1]), running])
+
+
+def fold_from_prefix(before: Sequence[int], after: Sequence[int], start: int) -> list[int]:
+    """:func:`fold_checksums` of rows ``[start, end)`` from rows ``start`` and ``end`` of their
+    :func:`checksum_prefix`: the weighted sums restart at 1 by taking ``start`` x the plain ones off."""
+    groups = len(before) // 2
+    plain = [a - b for a, b in zip(after[:groups], before[:groups])]
+    weighted = [a - b - start * p for a, b, p in zip(after[groups:], before[groups:], plain)]
+    return [((v + 2**63) % 2**64) - 2**63 for v in plain + weighted]
+
+
 def piece_checksum(input_ids: torch.Tensor, aux: torch.Tensor, final: torch.Tensor, prenorm: torch.Tensor,
                    num_taps: int) -> list[int]:
     """The checksum of one piece, as its metadata stores it (what the reader recomputes)."""
@@ -277,6 +295,42 @@ class DumpSettings:
                    int(d["queue_pieces"]), int(d["writer_threads"]), str(d["instance"]))
 
 
+@dataclass(frozen=True)
+class ForwardRows:
+    """One forward's captured rows in host memory, shared by its pieces, as the writer needs them.
+
+    Each column is a numpy byte view ``[R, row bytes]`` of a host tensor, so that a writer thread
+    slices and writes it without a torch call (:func:`patches.safetensors_stream.write_safetensors`
+    says why); ``checksum_prefix`` is the :func:`checksum_prefix` of the rows' checksums. With
+    ``ready`` (a CUDA event), the memory is valid once the event is.
+    """
+
+    input_ids: np.ndarray
+    aux: np.ndarray
+    final: np.ndarray
+    prenorm: np.ndarray
+    checksum_prefix: np.ndarray
+    dtype: torch.dtype  # of the hidden states
+    num_taps: int
+    hidden: int
+    ready: object | None
+
+    @classmethod
+    def of(cls, input_ids: torch.Tensor, aux: torch.Tensor, final: torch.Tensor, prenorm: torch.Tensor,
+           checksum_prefix: torch.Tensor, num_taps: int, ready: object | None) -> "ForwardRows":
+        """From host tensors: int64 ids ``[R]``, aux ``[R, k*H]``, final and pre-norm ``[R, H]``."""
+        def rows(t: torch.Tensor) -> np.ndarray:
+            return t.contiguous().view(torch.uint8).numpy().reshape(int(t.shape[0]), -1)
+        if input_ids.dtype != torch.int64:
+            raise ValueError(f"token ids of dtype {input_ids.dtype}, not int64")
+        return cls(rows(input_ids), rows(aux), rows(final), rows(prenorm), checksum_prefix.numpy(),
+                   final.dtype, num_taps, int(final.shape[-1]), ready)
+
+    @property
+    def row_bytes(self) -> int:
+        return sum(c.shape[1] for c in (self.input_ids, self.aux, self.final, self.prenorm))
+
+
 @dataclass
 class _Piece:
     rid: str
@@ -284,12 +338,9 @@ class _Piece:
     prompt_len: int
     prompt_hash: str
     forward_mode: str
-    input_ids: torch.Tensor
-    aux: torch.Tensor
-    final: torch.Tensor
-    prenorm: torch.Tensor
-    row_checksums: torch.Tensor  # int64 [n, groups]: row_checksums of the values at capture
-    ready: object | None  # a torch.cuda.Event to wait on before reading the host tensors
+    rows: ForwardRows
+    row_start: int  # of the piece's rows in ``rows``
+    row_end: int
     nbytes: int
     queued_at: float  # time.monotonic() at submit
 
@@ -308,7 +359,8 @@ class DumpWriter:
     #: failed rids remembered (oldest forgotten first); far more than requests in flight
     failed_rids_kept = 4096
     #: a piece that lands later than this after its submit is logged (a piece lands within ~0.1 s under
-    #: load; at the end of a load run one piece landed 3.7-4.7 s late, cause unknown: results file, run O)
+    #: load; at the end of a load run the last ones landed 1-4.7 s late, their threads waiting for the GIL that an
+    #: idle scheduler's Python loop held: results file, runs O and P)
     slow_piece_s = 1.0
 
     def __init__(self, settings: DumpSettings):
@@ -333,28 +385,11 @@ class DumpWriter:
     def wants(self, rid: str | None) -> bool:
         return bool(rid) and rid.startswith(self.settings.rid_prefix)
 
-    def submit(
-        self,
-        rid: str,
-        *,
-        chunk_start: int,
-        input_ids: torch.Tensor,
-        prompt_len: int,
-        prompt_hash: str,
-        aux_hidden_states: torch.Tensor,
-        final_hidden_states: torch.Tensor,
-        prenorm_hidden_states: torch.Tensor,
-        row_checksums: torch.Tensor,
-        forward_mode: str = "extend",
-        ready: object | None = None,
-    ) -> bool:
-        """Queue one piece. Returns False (and leaves an error marker) if it was refused.
-
-        ``row_checksums`` are the piece's :func:`row_checksums`, computed where the values were
-        produced; with ``ready``, the host tensors are valid once the event is.
-        """
-        nbytes = sum(t.numel() * t.element_size()
-                     for t in (input_ids, aux_hidden_states, final_hidden_states, prenorm_hidden_states))
+    def submit(self, rid: str, rows: ForwardRows, row_start: int, row_end: int, *, chunk_start: int,
+               prompt_len: int, prompt_hash: str, forward_mode: str = "extend") -> bool:
+        """Queue rows ``[row_start, row_end)`` of ``rows`` as one piece of ``rid``. Returns False (and
+        leaves an error marker) if it was refused."""
+        nbytes = (row_end - row_start) * rows.row_bytes
         if self._drop_if_failed(rid):
             return False
         with self._lock:
@@ -364,9 +399,8 @@ class DumpWriter:
         if over_budget:
             self._refuse(rid, f"writer queue over its budget of {self.settings.max_pending_bytes} bytes")
             return False
-        piece = _Piece(rid, chunk_start, prompt_len, prompt_hash, forward_mode,
-                       input_ids, aux_hidden_states, final_hidden_states, prenorm_hidden_states, row_checksums,
-                       ready, nbytes, time.monotonic())
+        piece = _Piece(rid, chunk_start, prompt_len, prompt_hash, forward_mode, rows, row_start, row_end,
+                       nbytes, time.monotonic())
         try:
             self._queues[zlib.crc32(rid.encode()) % len(self._queues)].put_nowait(piece)
         except queue.Full:
@@ -415,31 +449,35 @@ class DumpWriter:
                     self._pending_bytes -= piece.nbytes
 
     def _write(self, piece: _Piece) -> None:
+        # No torch call from here on but the event's: each would give up the GIL and, beside a
+        # scheduler thread running Python, wait up to 5 ms to get it back (write_safetensors)
         taken = time.monotonic()
-        if piece.ready is not None:
-            piece.ready.synchronize()
+        f = piece.rows
+        if f.ready is not None:
+            f.ready.synchronize()
         copied = time.monotonic()
-        s = self.settings
+        s, a, b = self.settings, piece.row_start, piece.row_end
+        n = b - a
+        checksum = fold_from_prefix(f.checksum_prefix[a].tolist(), f.checksum_prefix[b].tolist(), a)
         meta = {
             "format": DUMP_FORMAT, "version": DUMP_VERSION, "rid": piece.rid,
-            "chunk_start": str(piece.chunk_start), "chunk_len": str(int(piece.input_ids.numel())),
+            "chunk_start": str(piece.chunk_start), "chunk_len": str(n),
             "prompt_len": str(piece.prompt_len), "prompt_hash": piece.prompt_hash,
             "layer_ids": json.dumps(list(s.layer_ids)), "layer_convention": LAYER_CONVENTION,
-            "final_states": FINAL_STATES, "dtype": str(piece.aux.dtype).removeprefix("torch."),
+            "final_states": FINAL_STATES, "dtype": str(f.dtype).removeprefix("torch."),
             "model": s.model, "forward_mode": piece.forward_mode,
-            "checksum": json.dumps(fold_checksums(piece.row_checksums)), "instance": s.instance,
+            "checksum": json.dumps(checksum), "instance": s.instance,
         }
-        ids = piece.input_ids.to(torch.int64)
-        columns = [("input_ids", torch.int64, ids.shape, [ids]),
-                   ("aux_hidden_states", piece.aux.dtype, piece.aux.shape, [piece.aux]),
-                   ("final_hidden_states", piece.final.dtype, piece.final.shape, [piece.final]),
-                   ("prenorm_hidden_states", piece.prenorm.dtype, piece.prenorm.shape, [piece.prenorm])]
+        columns = [("input_ids", torch.int64, (n,), [f.input_ids[a:b]]),
+                   ("aux_hidden_states", f.dtype, (n, f.num_taps * f.hidden), [f.aux[a:b]]),
+                   ("final_hidden_states", f.dtype, (n, f.hidden), [f.final[a:b]]),
+                   ("prenorm_hidden_states", f.dtype, (n, f.hidden), [f.prenorm[a:b]])]
         if s.max_dir_bytes is not None:
             used = _dir_bytes(self.dump_dir)
             if used + piece.nbytes > s.max_dir_bytes:
                 raise OSError(f"dump folder holds {used} bytes; {piece.nbytes} more would pass its cap of {s.max_dir_bytes}")
         name = f"{safe_rid(piece.rid)}.{piece.chunk_start:09d}.{uuid.uuid4().hex[:8]}{PIECE_SUFFIX}"
-        size = _atomic_write(self.dump_dir / name, lambda f: write_safetensors(f, columns, meta))
+        size = _atomic_write(self.dump_dir / name, lambda fd: write_safetensors(fd, columns, meta))
         with self._lock:
             self.written += 1
             self.written_bytes += size
@@ -470,17 +508,20 @@ class DumpWriter:
         log.error("dump writer: cannot write rid %r to %s: %s", rid, self.dump_dir, reason)
         marker = json.dumps({"rid": rid, "reason": reason, "time": time.time()}).encode()
         try:
-            _atomic_write(self.dump_dir / f"{safe_rid(rid)}{ERROR_SUFFIX}", lambda f: f.write(marker))
+            _atomic_write(self.dump_dir / f"{safe_rid(rid)}{ERROR_SUFFIX}", lambda fd: os.write(fd, marker))
         except OSError as exc:  # the folder is gone or full: the log line and stats carry it
             log.error("dump writer: cannot write the error marker for rid %r in %s: %s", rid, self.dump_dir, exc)
 
 
 def _atomic_write(path: Path, write) -> int:
-    """``write(file)`` into a dot-named temporary, then rename onto ``path``; returns ``write``'s result."""
+    """``write(fd)`` into a dot-named temporary, then rename onto ``path``; returns ``write``'s result."""
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
     try:
-        with open(tmp, "wb") as f:
-            result = write(f)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        try:
+            result = write(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
         return result
     except BaseException:

@@ -95,6 +95,7 @@ def _server_flag_parser() -> argparse.ArgumentParser:
     p.add_argument("--dcp-size", dest="dcp_size", type=int, default=1)
     p.add_argument("--enable-layernorm-sp", action="store_true")
     p.add_argument("--disable-prefill-cuda-graph", action="store_true")
+    p.add_argument("--sleep-on-idle", action="store_true")
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--cuda-graph-backend-prefill")
     p.add_argument("--cuda-graph-config")
@@ -181,6 +182,10 @@ def plan_launch(rel: Release, dump_args: argparse.Namespace, server_argv: Sequen
     if not flags.disable_prefill_cuda_graph:
         argv.append("--disable-prefill-cuda-graph")
         notes.append("added --disable-prefill-cuda-graph: its replay drops ForwardBatch.rids (decode graphs stay on)")
+    if not flags.sleep_on_idle:
+        argv.append("--sleep-on-idle")
+        notes.append("added --sleep-on-idle: an idle scheduler otherwise loops in Python, and the dump writer's threads "
+                     "in its process wait for the GIL (the last pieces of a run landed seconds late)")
     if rel.aux_capture == "builtin":
         argv += ["--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3",
                  "--return-aux-hidden-state-layer-ids", *(str(i - 1) for i in layer_ids)]

@@ -183,6 +183,7 @@ SYMBOLS: tuple[Symbol, ...] = (
     # -- flags the launcher reads or sets
     Symbol("flag", SERVER_ARGS, "model_path", "config.json gives the layer count and architecture"),
     Symbol("flag", SERVER_ARGS, "disable_prefill_cuda_graph", "the prefill graph replay drops ForwardBatch.rids"),
+    Symbol("flag", SERVER_ARGS, "sleep_on_idle", "an idle scheduler parks in zmq poll instead of looping in Python"),
     Symbol("flag", SERVER_ARGS, "cuda_graph_backend_prefill", "an explicit prefill graph backend is refused"),
     Symbol("flag", SERVER_ARGS, "cuda_graph_config", "a JSON prefill graph backend is refused"),
     Symbol("source", "sglang.srt.model_executor.runner.prefill_cuda_graph_runner",

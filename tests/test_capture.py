@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from patches.capture import PieceRows, capture_pieces
-from patches.dumps import DumpCorrupt, DumpReader, fold_checksums, piece_checksum, prompt_hash, row_checksums
+from patches.dumps import (DumpCorrupt, DumpReader, checksum_prefix, fold_checksums, fold_from_prefix, piece_checksum,
+                           prompt_hash, row_checksums)
 from tests.dump_support import LAYERS, H, make_writer
 
 IDS = list(range(300, 340))
@@ -100,6 +101,17 @@ def test_checksum_sees_swapped_rows_and_agrees_across_summation_orders():
     by_hand += [sum(int(v) * int(w) for v, w in zip(rows[:, c], weights[:, 0])) for c in range(rows.shape[1])]
     wrap = [((v + 2**63) % 2**64) - 2**63 for v in by_hand]
     assert fold_checksums(rows) == wrap == base
+
+
+def test_a_pieces_checksum_from_the_forwards_running_sums_is_its_own_fold():
+    """The writer takes each piece's checksum from two rows of the forward's running sums; it must be
+    the fold the reader computes over the piece alone, wrapping included (values near 2**63)."""
+    g = torch.Generator().manual_seed(7)
+    rows = torch.randint(-2**62, 2**62, (50, 7), generator=g, dtype=torch.int64) * 3
+    prefix = checksum_prefix(rows)
+    for start, end in ((0, 50), (0, 1), (13, 14), (7, 41), (49, 50)):
+        assert fold_from_prefix(prefix[start].tolist(), prefix[end].tolist(), start) == fold_checksums(rows[start:end])
+    assert fold_from_prefix(prefix[7].tolist(), prefix[41].tolist(), 7) != fold_checksums(rows[8:42])
 
 
 def test_in_flight_bytes_wait_for_room_instead_of_overfilling_the_writer():

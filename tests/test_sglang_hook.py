@@ -164,6 +164,7 @@ def test_launch_on_0_5_23_uses_sglangs_capture_and_disables_the_prefill_graph(tm
     plan = _plan("0.5.23", tmp_path, ["--tp-size", "2", "--chunked-prefill-size", "4096"], ["--dump-aux-layers", "3", "10"])
     argv = plan.argv
     assert "--disable-prefill-cuda-graph" in argv
+    assert argv.count("--sleep-on-idle") == 1, "an idle scheduler looping in Python starves the dump writer of the GIL"
     i = argv.index("--return-aux-hidden-state-layer-ids")
     assert argv[i + 1:i + 3] == ["2", "9"], "SGLang id k captures HF hidden_states[k+1]"
     assert argv[argv.index("--speculative-algorithm") + 1] == "EAGLE3" and "--enable-return-aux-hidden-states" in argv
@@ -175,8 +176,9 @@ def test_launch_on_0_5_23_uses_sglangs_capture_and_disables_the_prefill_graph(tm
 
 
 def test_launch_on_0_5_17_hooks_the_layers_before_each_tap(tmp_path):
-    plan = _plan("0.5.17", tmp_path, [])
+    plan = _plan("0.5.17", tmp_path, ["--sleep-on-idle"])
     assert "--enable-return-aux-hidden-states" not in plan.argv
+    assert plan.argv.count("--sleep-on-idle") == 1, "given once, not added twice"
     hooks = _hooks(plan)
     assert [h["target_modules"] for h in hooks] == [["logits_processor"], ["model.norm"], ["model.layers.1"],
                                                      ["model.layers.15"], ["model.layers.28"]]
