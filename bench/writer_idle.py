@@ -11,7 +11,7 @@ it back. A burst of pieces (a forward's worth, one per writer thread) is queued 
 spins in Python or sleeps in a blocking call until every piece is on disk; the table gives the
 seconds. On a 2-core CPU machine (2026-12-07, 8 pieces of 1024 tokens, 8 threads, 5 repeats): with
 ~30 torch calls and buffered writes per piece, 0.07-0.11 s asleep and 0.13-0.37 s spinning; with
-the writer's one ``writev`` and no torch call (commit after 38ad9c1), 0.07-0.11 s either way.
+the writer's one ``writev`` and no torch call (commit 555dd9e), 0.07-0.11 s either way.
 With 12 threads for 48 pieces the two cores, not the GIL, set the time (1-2 s both ways).
 """
 

@@ -178,8 +178,7 @@ def _int_row_sums(bits: torch.Tensor, dtype: torch.dtype | None) -> tuple[torch.
 def fold_checksums(rows: torch.Tensor) -> list[int]:
     """A piece's checksum from its ``row_checksums``: per group, the sum of the row sums, then
     the sum of row sum x (row + 1). Integer sums wrap modulo 2**64 whatever their order."""
-    weights = torch.arange(1, rows.shape[0] + 1, dtype=torch.int64, device=rows.device).unsqueeze(1)
-    return torch.cat([rows.sum(dim=0), (rows * weights).sum(dim=0)]).tolist()
+    return checksum_prefix(rows)[-1].tolist()
 
 
 def checksum_prefix(rows: torch.Tensor) -> torch.Tensor:
@@ -452,26 +451,26 @@ class DumpWriter:
         # No torch call from here on but the event's: each would give up the GIL and, beside a
         # scheduler thread running Python, wait up to 5 ms to get it back (write_safetensors)
         taken = time.monotonic()
-        f = piece.rows
-        if f.ready is not None:
-            f.ready.synchronize()
+        fwd = piece.rows
+        if fwd.ready is not None:
+            fwd.ready.synchronize()
         copied = time.monotonic()
         s, a, b = self.settings, piece.row_start, piece.row_end
         n = b - a
-        checksum = fold_from_prefix(f.checksum_prefix[a].tolist(), f.checksum_prefix[b].tolist(), a)
+        checksum = fold_from_prefix(fwd.checksum_prefix[a].tolist(), fwd.checksum_prefix[b].tolist(), a)
         meta = {
             "format": DUMP_FORMAT, "version": DUMP_VERSION, "rid": piece.rid,
             "chunk_start": str(piece.chunk_start), "chunk_len": str(n),
             "prompt_len": str(piece.prompt_len), "prompt_hash": piece.prompt_hash,
             "layer_ids": json.dumps(list(s.layer_ids)), "layer_convention": LAYER_CONVENTION,
-            "final_states": FINAL_STATES, "dtype": str(f.dtype).removeprefix("torch."),
+            "final_states": FINAL_STATES, "dtype": str(fwd.dtype).removeprefix("torch."),
             "model": s.model, "forward_mode": piece.forward_mode,
             "checksum": json.dumps(checksum), "instance": s.instance,
         }
-        columns = [("input_ids", torch.int64, (n,), [f.input_ids[a:b]]),
-                   ("aux_hidden_states", f.dtype, (n, f.num_taps * f.hidden), [f.aux[a:b]]),
-                   ("final_hidden_states", f.dtype, (n, f.hidden), [f.final[a:b]]),
-                   ("prenorm_hidden_states", f.dtype, (n, f.hidden), [f.prenorm[a:b]])]
+        columns = [("input_ids", torch.int64, (n,), [fwd.input_ids[a:b]]),
+                   ("aux_hidden_states", fwd.dtype, (n, fwd.num_taps * fwd.hidden), [fwd.aux[a:b]]),
+                   ("final_hidden_states", fwd.dtype, (n, fwd.hidden), [fwd.final[a:b]]),
+                   ("prenorm_hidden_states", fwd.dtype, (n, fwd.hidden), [fwd.prenorm[a:b]])]
         if s.max_dir_bytes is not None:
             used = _dir_bytes(self.dump_dir)
             if used + piece.nbytes > s.max_dir_bytes:
